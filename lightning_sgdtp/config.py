@@ -1,0 +1,139 @@
+"""One typed, validated description of what the user asked for.
+
+Every entry point (``SGDTPStrategy(...)``, ``SGDTPStrategy(options=...)`` and
+``torch.compile(model, backend="sgdtp", options=...)``) builds an :class:`SGDTPConfig`, so an
+invalid option fails the same way everywhere: at construction, before any process is spawned,
+with a message that names the option and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+PARALLELISMS = ("data", "tensor", "hybrid")
+AVAILABLE_PARALLELISMS = ("data",)
+GRAD_COMM_DTYPES = {"fp32": None, "float32": None, "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+class SGDTPConfigError(ValueError):
+    """An option given to lightning-sgdtp is invalid. The message says which one and how to fix it."""
+
+
+class NotAvailableYetError(NotImplementedError):
+    """A documented option whose implementation has not landed yet. Never silently ignored."""
+
+
+@dataclass(frozen=True)
+class SGDTPConfig:
+    """What the user asked for. See ``docs/options.md`` for every field with an example.
+
+    Args:
+        parallelism: ``"data"``. (``"tensor"`` and ``"hybrid"`` are reserved and raise until they land.)
+        bucket_cap_mb: Upper bound of one fused gradient all-reduce, in MiB (like DDP's ``bucket_cap_mb``).
+        grad_comm_dtype: ``None`` (communicate in the gradient's dtype) or ``"bf16"``: halves the bytes sent;
+            lossy (gradients are rounded to bfloat16 before the sum).
+        overlap: Schedule bucket all-reduces to overlap backward compute (the point of the plugin). ``False``
+            keeps Inductor's default order; useful to measure what overlap buys.
+        activation_checkpointing: Recompute each repeated block (transformer layer) in backward instead of
+            keeping its activations. Applied per block, before compile.
+        broadcast_buffers: Broadcast module buffers (e.g. BatchNorm statistics) from rank 0 before each
+            training step, like DDP.
+        collective_timeout: Seconds a collective may wait before the job fails (process-group timeout).
+        pipeline_chunks, pipeline_stages, tensor_parallel_size: reserved; raise until they land.
+    """
+
+    parallelism: Literal["data", "tensor", "hybrid"] = "data"
+    bucket_cap_mb: float = 25.0
+    grad_comm_dtype: Optional[str] = None
+    overlap: bool = True
+    activation_checkpointing: bool = False
+    broadcast_buffers: bool = True
+    collective_timeout: float = 1800.0
+    pipeline_chunks: Optional[int] = None
+    pipeline_stages: Optional[int] = None
+    tensor_parallel_size: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        if self.parallelism not in PARALLELISMS:
+            raise SGDTPConfigError(
+                f"parallelism={self.parallelism!r} is not known. Use one of {PARALLELISMS}, for example"
+                " SGDTPStrategy(parallelism='data')."
+            )
+        if self.parallelism not in AVAILABLE_PARALLELISMS:
+            raise NotAvailableYetError(
+                f"parallelism={self.parallelism!r} is not available yet in this release of lightning-sgdtp"
+                " (only 'data' is). Use parallelism='data' for now."
+            )
+        for name in ("pipeline_chunks", "pipeline_stages", "tensor_parallel_size"):
+            if getattr(self, name) is not None:
+                raise NotAvailableYetError(
+                    f"{name}={getattr(self, name)!r} is not available yet in this release of lightning-sgdtp:"
+                    f" pipeline and tensor parallelism have not landed. Remove {name} to train data-parallel."
+                )
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
+            raise SGDTPConfigError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be a number of MiB, e.g. 25.")
+        if not self.bucket_cap_mb > 0:
+            raise SGDTPConfigError(
+                f"bucket_cap_mb={self.bucket_cap_mb!r} must be > 0 (MiB per fused all-reduce). Use e.g. 25,"
+                " or a very large value for a single bucket."
+            )
+        if self.grad_comm_dtype is not None and self.grad_comm_dtype not in GRAD_COMM_DTYPES:
+            raise SGDTPConfigError(
+                f"grad_comm_dtype={self.grad_comm_dtype!r} is not supported. Use None (communicate in the"
+                " gradient's own dtype) or 'bf16' (half the bytes, lossy)."
+            )
+        if not (isinstance(self.collective_timeout, (int, float)) and self.collective_timeout > 0):
+            raise SGDTPConfigError(
+                f"collective_timeout={self.collective_timeout!r} must be a positive number of seconds, e.g. 600."
+            )
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return max(1, int(self.bucket_cap_mb * 2**20))
+
+    @property
+    def comm_dtype_name(self) -> Optional[str]:
+        """Name of the torch dtype used on the wire, or None for the gradient's own dtype."""
+        return GRAD_COMM_DTYPES[self.grad_comm_dtype] if self.grad_comm_dtype is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_options(cls, options: Optional[dict[str, Any]] = None, **overrides: Any) -> SGDTPConfig:
+        """Build a config from the design documents' ``torch.compile`` options dict.
+
+        ``{"distributed": {"plugin": "sgdtp", "strategy": "data", "pipeline_chunks": 4}}``; every other
+        key of ``"distributed"`` is a field of this class. Explicit keyword ``overrides`` win.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        options = dict(options or {})
+        unknown_top = set(options) - {"distributed"}
+        if unknown_top:
+            raise SGDTPConfigError(
+                f"options has unknown keys {sorted(unknown_top)}; the sgdtp backend reads only"
+                ' options={"distributed": {"plugin": "sgdtp", "strategy": "data", ...}}.'
+            )
+        dist = dict(options.get("distributed") or {})
+        plugin = dist.pop("plugin", "sgdtp")
+        if plugin != "sgdtp":
+            raise SGDTPConfigError(
+                f'options["distributed"]["plugin"]={plugin!r}: this backend is the "sgdtp" plugin; set "plugin": "sgdtp".'
+            )
+        if "strategy" in dist:
+            kwargs["parallelism"] = dist.pop("strategy")
+        unknown = set(dist) - fields
+        if unknown:
+            raise SGDTPConfigError(
+                f'options["distributed"] has unknown keys {sorted(unknown)}. Known keys: "plugin", "strategy",'
+                f" {sorted(fields - {'parallelism'})}."
+            )
+        kwargs.update(dist)
+        unknown = set(overrides) - fields
+        if unknown:
+            raise SGDTPConfigError(f"unknown option(s) {sorted(unknown)}. Known options: {sorted(fields)}.")
+        kwargs.update(overrides)
+        return cls(**kwargs)
