@@ -1,6 +1,22 @@
 """lightning-sgdtp: a Lightning strategy that compiles the training step and puts gradient
-communication inside the compiled backward."""
+communication inside the compiled backward.
 
-from lightning_sgdtp.config import SGDTPConfig
+``import lightning_sgdtp`` registers ``"sgdtp"`` with Lightning's StrategyRegistry (and with
+``pytorch_lightning``'s when that is in use) and with TorchDynamo as a ``torch.compile`` backend.
+"""
 
-__all__ = ["SGDTPConfig"]
+from lightning_sgdtp.compiler.backend import SGDTPCompiler, register_backend, sgdtp_backend
+from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.strategy import SGDTPStrategy
+
+__version__ = "0.1.0"
+__all__ = [
+    "NotAvailableYetError",
+    "SGDTPCompiler",
+    "SGDTPConfig",
+    "SGDTPConfigError",
+    "SGDTPStrategy",
+    "sgdtp_backend",
+]
+
+register_backend()

@@ -1,7 +1,506 @@
-"""Placeholder: the real SGDTPStrategy is being written; this stub only exists so registration can be built."""
+"""``SGDTPStrategy``: Lightning glue. Decide, then delegate.
 
-from lightning.pytorch.strategies.ddp import DDPStrategy
+This is the only module of the package that imports Lightning; ``_registration`` derives the twin for
+projects that ``import pytorch_lightning`` from this very source (as Lightning derives its own mirror).
+Loops, callbacks, logging and checkpoint files stay Lightning's; we own four things:
+
+1. processes: one per device, a process group per the cluster environment (like ``DDPStrategy``);
+2. the step: ``training_step`` runs through ``torch.compile`` with the ``SGDTPCompiler`` backend, which
+   averages parameter gradients inside the compiled backward, bucketed and overlapped;
+3. the ledger: what the graphs did not average (eager regions, accumulated micro-batches) is averaged
+   after backward, and every optimizer step proves that every gradient was covered;
+4. the plan: every decision is logged once on rank 0 and kept as data (``strategy.plan``, and
+   ``sgdtp_plan.json`` next to the logs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.utils import _sync_module_states, _sync_params_and_buffers
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_sgdtp.compiler.backend import SGDTPCompiler
+from lightning_sgdtp.compiler.buckets import GraphPlan
+from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.ledger import BackwardRecord, GradLedger, walk_autograd_graph
+from lightning_sgdtp.parallel.checkpointing import apply_activation_checkpointing
+
+log = logging.getLogger("lightning_sgdtp")
+
+PLAN_FILENAME = "sgdtp_plan.json"
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
-class SGDTPStrategy(DDPStrategy):
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` to a temporary file, fsync, then rename: a crash mid-save leaves the previous file whole."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        target = Path(path)
+        if "://" in str(path):  # remote filesystems: fsspec's own semantics
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class SGDTPStrategy(ParallelStrategy):
+    """Data-parallel training with the step compiled and gradient communication inside the compiled backward.
+
+    ``Trainer(strategy="sgdtp")`` or ``Trainer(strategy=SGDTPStrategy(bucket_cap_mb=25, ...))``. Every option
+    is a field of :class:`~lightning_sgdtp.config.SGDTPConfig` (see ``docs/options.md``); the design documents'
+    ``options={"distributed": {"plugin": "sgdtp", "strategy": "data"}}`` is accepted too, and explicit
+    keyword arguments win over it.
+    """
+
     strategy_name = "sgdtp"
+
+    def __init__(
+        self,
+        parallelism: Optional[str] = None,
+        bucket_cap_mb: Optional[float] = None,
+        grad_comm_dtype: Optional[str] = None,
+        overlap: Optional[bool] = None,
+        activation_checkpointing: Optional[bool] = None,
+        broadcast_buffers: Optional[bool] = None,
+        collective_timeout: Optional[float] = None,
+        pipeline_chunks: Optional[int] = None,
+        pipeline_stages: Optional[int] = None,
+        tensor_parallel_size: Optional[Any] = None,
+        options: Optional[dict[str, Any]] = None,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+    ) -> None:
+        given = {
+            "parallelism": parallelism,
+            "bucket_cap_mb": bucket_cap_mb,
+            "grad_comm_dtype": grad_comm_dtype,
+            "overlap": overlap,
+            "activation_checkpointing": activation_checkpointing,
+            "broadcast_buffers": broadcast_buffers,
+            "collective_timeout": collective_timeout,
+            "pipeline_chunks": pipeline_chunks,
+            "pipeline_stages": pipeline_stages,
+            "tensor_parallel_size": tensor_parallel_size,
+        }
+        # Validate first: a bad option fails here, in the launching process, before anything is spawned.
+        self._config = SGDTPConfig.from_options(options, **{k: v for k, v in given.items() if v is not None})
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._compiler: Optional[SGDTPCompiler] = None
+        self._ledger: Optional[GradLedger] = None
+        self._compiled_steps: dict[str, Callable] = {}
+        self._sync_enabled = True
+        self._record: Optional[BackwardRecord] = None
+        self._checkpointed_blocks: Optional[list[str]] = None
+        self._graph_breaks: dict[str, int] = {}
+        self._breaks_at_setup: dict[str, int] = {}
+        self._written_plan: Optional[str] = None
+
+    # ----------------------------------------------------------------------------------------- properties
+    @property
+    def config(self) -> SGDTPConfig:
+        return self._config
+
+    @property
+    def _lightning_module(self) -> Optional["pl.LightningModule"]:
+        return self.__dict__.get("_lm")
+
+    @_lightning_module.setter
+    def _lightning_module(self, module: Optional["pl.LightningModule"]) -> None:
+        # Lightning assigns the module here before it spawns any process: the earliest place to refuse a
+        # compiled module with our own message (Lightning's generic one comes right after).
+        if module is not None:
+            _check_not_compiled(module)
+        self.__dict__["_lm"] = module
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def dp_size(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Sized by the data-parallel group (today: every rank is a data-parallel replica).
+        return {"num_replicas": self.dp_size, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def ledger(self) -> Optional[GradLedger]:
+        return self._ledger
+
+    @property
+    def plan(self) -> dict[str, Any]:
+        """Everything the plugin decided, as plain data (also written to ``sgdtp_plan.json`` next to the logs)."""
+        compiler, ledger = self._compiler, self._ledger
+        graphs = [p.to_dict() for p in compiler.plans] if compiler else []
+        in_graph = sum(g["wire_bytes"] for g in graphs)
+        fallback = ledger.fallback_bytes_last_step if ledger else 0
+        return {
+            "parallelism": self._config.parallelism,
+            "world_size": self.world_size,
+            "dp_size": self.dp_size,
+            "num_nodes": self.num_nodes,
+            "process_group_backend": self._process_group_backend,
+            "config": self._config.to_dict(),
+            "grad_sync": (
+                "in-graph"
+                if compiler is None or compiler.in_graph_sync
+                else "after-last-micro-batch (gradient accumulation)"
+            ),
+            "activation_checkpointing": self._checkpointed_blocks or [],
+            "graphs": graphs,
+            "graph_breaks": dict(self._graph_breaks),
+            "last_step_sync": dict(ledger.last_step) if ledger else {},
+            "bytes_per_step": {"in_graph": in_graph, "fallback": fallback, "total": in_graph + fallback},
+        }
+
+    # ---------------------------------------------------------------------------------------- processes
+    @override
+    def _configure_launcher(self) -> None:
+        self._check_precision()
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _check_precision(self) -> None:
+        plugin = self.precision_plugin
+        if type(plugin) not in (Precision, MixedPrecision, HalfPrecision):
+            raise SGDTPConfigError(
+                f"precision plugin {type(plugin).__name__} is not supported by the sgdtp strategy. Use"
+                f" Trainer(precision=...) with one of {', '.join(SUPPORTED_PRECISION)}."
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=timedelta(seconds=self._config.collective_timeout),
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # -------------------------------------------------------------------------------------------- setup
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        # Every replica starts from rank 0's weights and buffers, as with DDP.
+        _sync_module_states(
+            self.model, _group.WORLD, 250 * 2**20, src=0, params_and_buffers_to_ignore=set()
+        )
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._setup_training(trainer)
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_training(self, trainer: "pl.Trainer") -> None:
+        module = self.lightning_module
+        assert module is not None
+        self._say(
+            f"parallelism={self._config.parallelism}: {self.world_size} ranks ({self.num_nodes} node(s) x"
+            f" {self.num_processes}), data-parallel group of {self.dp_size}, backend={self._process_group_backend}"
+        )
+        if self._config.activation_checkpointing and self._checkpointed_blocks is None:
+            self._checkpointed_blocks = apply_activation_checkpointing(module)
+            self._say(
+                f"activation checkpointing on {len(self._checkpointed_blocks)} blocks"
+                f" ({self._checkpointed_blocks[0]} .. {self._checkpointed_blocks[-1]}), applied before compile"
+            )
+        if self._compiler is None:
+            names = {id(p): n for n, p in module.named_parameters()}
+            self._compiler = SGDTPCompiler(self._config, group=None, param_names=names, on_plan=self._on_graph_plan)
+            wire = getattr(torch, self._config.comm_dtype_name) if self._config.comm_dtype_name else None
+            self._ledger = GradLedger(module.named_parameters(), None, self._config.bucket_cap_bytes, wire)
+            self._breaks_at_setup = _graph_break_counts()
+        accumulate = trainer.accumulate_grad_batches
+        self._compiler.in_graph_sync = accumulate == 1
+        if accumulate == 1:
+            self._say(
+                f"gradient sync inside the compiled backward: buckets of <= {self._config.bucket_cap_mb} MiB,"
+                f" {'overlapped with backward compute' if self._config.overlap else 'no overlap scheduling'}"
+                + (f", {self._config.grad_comm_dtype} on the wire (lossy)" if self._config.grad_comm_dtype else "")
+            )
+        else:
+            self._say(
+                f"accumulate_grad_batches={accumulate}: graphs compiled without collectives; one bucketed sync"
+                " after the last micro-batch of each optimizer step (none on the others)"
+            )
+
+    def _compiled(self, hook: str) -> Callable:
+        step = self._compiled_steps.get(hook)
+        if step is None:
+            assert self.lightning_module is not None and self._compiler is not None
+            step = torch.compile(getattr(self.lightning_module, hook), backend=self._compiler)
+            self._compiled_steps[hook] = step
+        return step
+
+    # --------------------------------------------------------------------------------------------- steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._config.broadcast_buffers:
+            self._broadcast_buffers()
+        with self.precision_plugin.train_step_context():
+            return self._compiled("training_step")(*args, **kwargs)
+
+    def _broadcast_buffers(self) -> None:
+        assert self.lightning_module is not None
+        buffers = [b for b in self.lightning_module.buffers()]
+        if buffers and self.world_size > 1:
+            _sync_params_and_buffers(_group.WORLD, buffers, 250 * 2**20, 0)
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._sync_enabled and self._compiler is not None:
+            self._record = walk_autograd_graph(closure_loss, self._compiler.graph_param_ids)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._record is None or self._ledger is None or self._compiler is None:
+            return
+        record, self._record = self._record, None
+        synced = self._ledger.sync(record, everything=not self._compiler.in_graph_sync)
+        if synced and self._compiler.in_graph_sync:
+            key = "fallback:" + ",".join(synced)
+            if key not in self._graph_breaks:
+                self._graph_breaks[key] = 1
+                self._say(
+                    f"{len(synced)} parameter(s) get gradients outside the compiled graphs (eager regions); synced"
+                    f" after backward by the fallback buckets: {', '.join(synced[:8])}"
+                    + (" ..." if len(synced) > 8 else "")
+                )
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no communication on the micro-batches run inside this context."""
+        self._sync_enabled = False
+        try:
+            yield None
+        finally:
+            self._sync_enabled = True
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._ledger is not None:
+            self._ledger.end_step()
+            missing = self._ledger.uncovered()
+            if missing:
+                raise RuntimeError(
+                    f"sgdtp: the gradients of {missing[:5]} were not averaged across ranks this step: they were"
+                    " produced outside the strategy's backward. In manual optimization call"
+                    " self.manual_backward(loss), not loss.backward()."
+                )
+            self._publish_plan()
+        return out
+
+    # ---------------------------------------------------------------------------------------------- plan
+    def _say(self, message: str) -> None:
+        if self.global_rank == 0:
+            log.info(f"sgdtp: {message}")
+
+    def _on_graph_plan(self, plan: GraphPlan) -> None:
+        if not plan.in_graph_sync:
+            self._say(f"graph {plan.graph_id} captured: {len(plan.params)} parameter gradients, no in-graph collectives")
+            return
+        sizes = ", ".join(f"{b.wire_bytes / 2**20:.2f}" for b in plan.buckets)
+        self._say(
+            f"graph {plan.graph_id} captured: {len(plan.params)} parameter gradients in {len(plan.buckets)} bucket(s)"
+            f" [{sizes}] MiB, {plan.wire_bytes / 2**20:.2f} MiB all-reduced per backward"
+        )
+
+    def _publish_plan(self) -> None:
+        for reason, count in _graph_break_counts().items():
+            if count > self._breaks_at_setup.get(reason, 0) and reason not in self._graph_breaks:
+                self._graph_breaks[reason] = count - self._breaks_at_setup.get(reason, 0)
+                self._say(f"graph break: {reason}")
+        plan = self.plan
+        text = json.dumps(plan, indent=2, sort_keys=True, default=str)
+        key = json.dumps({k: plan[k] for k in ("graphs", "graph_breaks", "grad_sync")}, sort_keys=True, default=str)
+        if self.global_rank != 0 or key == self._written_plan:
+            return
+        if self._written_plan is None:
+            b = plan["bytes_per_step"]
+            self._say(
+                f"bytes communicated per step: {b['in_graph'] / 2**20:.2f} MiB in-graph +"
+                f" {b['fallback'] / 2**20:.2f} MiB fallback"
+            )
+        self._written_plan = key
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        folder = Path(trainer.log_dir or trainer.default_root_dir) if trainer is not None else Path.cwd()
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{PLAN_FILENAME}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, folder / PLAN_FILENAME)
+
+    # -------------------------------------------------------------------------------------- collectives
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        self._compiled_steps.clear()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "sgdtp",
+            cls,
+            description="lightning-sgdtp: compiled step, gradient all-reduce fused into the compiled backward",
+            override=True,
+        )
+
+
+def _graph_break_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def _check_not_compiled(module: torch.nn.Module) -> None:
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if getattr(module, "_compiler_ctx", None) is not None or isinstance(module, OptimizedModule):
+        raise SGDTPConfigError(
+            "trainer.fit() got a torch.compile()d LightningModule. The sgdtp strategy compiles the training step"
+            " itself (with its own backend, which puts gradient communication in the graph): pass the plain"
+            " LightningModule, i.e. drop the torch.compile(...) call."
+        )
+    compiled = [name for name, m in module.named_modules() if isinstance(m, OptimizedModule)]
+    if compiled:
+        raise SGDTPConfigError(
+            f"submodule(s) {compiled[:5]} of {type(module).__name__} are torch.compile()d. The sgdtp strategy"
+            " compiles the whole training step itself; remove the torch.compile(...) call(s) from your model."
+        )

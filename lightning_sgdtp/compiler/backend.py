@@ -1,0 +1,175 @@
+"""The ``"sgdtp"`` torch.compile backend: capture -> gradient-bucket pass -> Inductor.
+
+TorchDynamo hands the backend one forward graph at a time. We pass it to Inductor's ``compile_fx``
+with our own ``inner_compile``: AOTAutograd calls it once for the forward and once (lazily, at the
+first backward) for the partitioned backward graph, whose output ``i`` is the gradient of graph input
+``i``. For the backward we run :func:`insert_bucketed_allreduce` over the parameter gradients, then let
+Inductor compile the result with its compute/communication overlap scheduling switched on.
+
+Two details that cost correctness if missed:
+
+- AOTAutograd's cache can hand back a backward compiled earlier (for example by plain Inductor) without
+  our collectives; gradients would then silently not be synced. We switch that cache off for our
+  compiles and salt Inductor's FX-graph cache key with the plan (``_CacheSalt``).
+- Inductor's default scheduling pulls each ``wait_tensor`` right after its all-reduce. The overlap
+  passes (``sink_waits_iterative`` and friends) keep the waits where the pass put them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from lightning_sgdtp.compiler.buckets import GraphPlan, insert_bucketed_allreduce
+from lightning_sgdtp.config import SGDTPConfig
+
+log = logging.getLogger("lightning_sgdtp")
+
+PLAN_VERSION = "sgdtp-grad-buckets-v1"
+OVERLAP_PASSES = ["reorder_communication_preserving_peak_memory", "sink_waits_iterative"]
+
+
+class _CacheSalt(CustomGraphPass):
+    """A no-op post-grad pass whose ``uuid()`` enters Inductor's cache key.
+
+    Graphs compiled with a given communication plan never share cache entries with graphs compiled
+    without it (or with another process group or bucket size).
+    """
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __call__(self, graph: fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return self.key
+
+
+class SGDTPCompiler:
+    """A torch.compile backend that syncs parameter gradients inside the compiled backward.
+
+    ``SGDTPCompiler(config, group)`` is passed as ``torch.compile(..., backend=compiler)``. It keeps what it
+    decided (``plans``) and which parameters live inside its graphs (``graph_param_ids``), so the strategy
+    can sync the rest and prove coverage.
+
+    Args:
+        config: the validated options.
+        group: the data-parallel process group (default: the world group, if initialized).
+        param_names: ``id(parameter) -> qualified name``, used to name parameters in the plan.
+    """
+
+    def __init__(
+        self,
+        config: Optional[SGDTPConfig] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        param_names: Optional[dict[int, str]] = None,
+        on_plan: Optional[Callable[[GraphPlan], None]] = None,
+    ) -> None:
+        self.config = config or SGDTPConfig()
+        self.group = group
+        self.param_names = dict(param_names or {})
+        self.on_plan = on_plan
+        #: Insert collectives into backward graphs. The strategy switches this off when gradients are
+        #: accumulated over micro-batches (then one sync after the last micro-batch is cheaper and correct).
+        self.in_graph_sync = True
+        self.plans: list[GraphPlan] = []
+        self.graph_param_ids: set[int] = set()
+        self._ids = itertools.count()
+
+    def _group(self) -> tuple[Optional[str], int]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1
+        group = self.group or dist.group.WORLD
+        return group.group_name, dist.get_world_size(group)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        graph_id = next(self._ids)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        grad_outputs: dict[int, str] = {}
+        for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+            if isinstance(value, torch.nn.Parameter) and value.requires_grad:
+                grad_outputs[i] = self.param_names.get(id(value)) or _source_name(node)
+                self.graph_param_ids.add(id(value))
+        group_name, world_size = self._group()
+        sync = bool(self.in_graph_sync and grad_outputs and group_name is not None and world_size > 1)
+        cfg = self.config
+        wire_dtype = getattr(torch, cfg.comm_dtype_name) if cfg.comm_dtype_name else None
+        salt = f"{PLAN_VERSION}:{sync}:{group_name}:{world_size}:{cfg.bucket_cap_bytes}:{wire_dtype}:{cfg.overlap}"
+
+        def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+            if not kwargs.get("is_backward") or not grad_outputs:
+                return compile_fx_inner(g, inputs, **kwargs)
+            outputs = g.graph.output_node().args[0]
+            if len(outputs) != len(placeholders):
+                raise RuntimeError(
+                    f"sgdtp: backward graph {graph_id} has {len(outputs)} gradient outputs for"
+                    f" {len(placeholders)} graph inputs (AOTAutograd deduplicated or merged inputs); refusing to"
+                    " guess which gradient belongs to which parameter. Please report this with your model."
+                )
+            if sync:
+                plan = insert_bucketed_allreduce(
+                    g,
+                    grad_outputs,
+                    group_name=group_name,
+                    world_size=world_size,
+                    cap_bytes=cfg.bucket_cap_bytes,
+                    wire_dtype=wire_dtype,
+                    graph_id=graph_id,
+                )
+            else:
+                plan = GraphPlan(
+                    graph_id=graph_id,
+                    in_graph_sync=False,
+                    group=str(group_name),
+                    world_size=world_size,
+                    params=[grad_outputs[p] for p in sorted(grad_outputs) if isinstance(outputs[p], fx.Node)],
+                )
+            self.plans.append(plan)
+            if self.on_plan is not None:
+                self.on_plan(plan)
+            overlap = {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": OVERLAP_PASSES}
+            with _salted(salt), (torch._inductor.config.patch(overlap) if sync and cfg.overlap else contextlib.nullcontext()):
+                return compile_fx_inner(g, inputs, **kwargs)
+
+        with _salted(salt), torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def _salted(key: str) -> Any:
+    return torch._inductor.config.patch(post_grad_custom_pre_pass=_CacheSalt(key))
+
+
+def _source_name(node: fx.Node) -> str:
+    arg = node.meta.get("grapharg")
+    return arg.source.name if arg is not None else node.name
+
+
+def sgdtp_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], options: Optional[dict] = None, mode: Optional[str] = None
+) -> Callable:
+    """The backend registered with TorchDynamo as ``"sgdtp"``.
+
+    ``torch.compile(model, backend="sgdtp", options={"distributed": {"plugin": "sgdtp", "strategy": "data"}})``
+    syncs the gradients of the parameters used inside the compiled graphs over the default process group.
+    """
+    config = SGDTPConfig.from_options(options)
+    return SGDTPCompiler(config)(gm, example_inputs)
+
+
+def register_backend() -> None:
+    """Register ``"sgdtp"`` with TorchDynamo (idempotent)."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS
+    from torch._dynamo.backends.registry import register_backend as _register
+
+    if "sgdtp" not in _COMPILER_FNS:
+        _register(compiler_fn=sgdtp_backend, name="sgdtp")

@@ -1,0 +1,58 @@
+"""Activation checkpointing per block, applied before compile.
+
+Each block of the model's repeated block stack (a transformer's layers) is wrapped with torch's
+``checkpoint_wrapper`` (non-reentrant). Dynamo traces the wrapped call as one higher-order op, so the
+recomputation stays inside the compiled region and the in-graph gradient buckets are planned over the
+whole backward, recomputation included.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+
+def find_block_stack(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
+    """The largest ``nn.ModuleList`` / ``nn.Sequential`` whose children are >= 2 modules of one type."""
+    best: Optional[tuple[str, nn.Module]] = None
+    best_params = 0
+    for name, child in module.named_modules():
+        if not isinstance(child, (nn.ModuleList, nn.Sequential)):
+            continue
+        blocks = list(child.children())
+        if len(blocks) < 2 or len({type(b) for b in blocks}) != 1:
+            continue
+        n_params = sum(p.numel() for p in child.parameters())
+        if n_params > best_params:
+            best, best_params = (name, child), n_params
+    return best
+
+
+def apply_activation_checkpointing(module: nn.Module) -> list[str]:
+    """Wrap every block of the block stack with a non-reentrant checkpoint. Returns the wrapped names.
+
+    Raises a ValueError that says what to provide when the model has no recognizable block stack.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing as torch_apply,
+        checkpoint_wrapper,
+    )
+
+    found = find_block_stack(module)
+    if found is None:
+        raise ValueError(
+            "activation_checkpointing=True needs a stack of repeated blocks (an nn.ModuleList or nn.Sequential"
+            f" of at least two modules of the same type) in {type(module).__name__}; none was found. Keep your"
+            " layers in an nn.ModuleList, or set activation_checkpointing=False."
+        )
+    stack_name, stack = found
+    blocks = {id(b) for b in stack.children()}
+    torch_apply(
+        module,
+        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: id(m) in blocks,
+    )
+    prefix = f"{stack_name}." if stack_name else ""
+    return [f"{prefix}{i}" for i in range(len(blocks))]
