@@ -5,6 +5,7 @@ communication inside the compiled backward.
 ``pytorch_lightning``'s when that is in use) and with TorchDynamo as a ``torch.compile`` backend.
 """
 
+from lightning_sgdtp._registration import register_strategies
 from lightning_sgdtp.compiler.backend import SGDTPCompiler, register_backend, sgdtp_backend
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.strategy import SGDTPStrategy
@@ -20,3 +21,4 @@ __all__ = [
 ]
 
 register_backend()
+register_strategies()

@@ -150,6 +150,8 @@ class SGDTPStrategy(ParallelStrategy):
         self._graph_breaks: dict[str, int] = {}
         self._breaks_at_setup: dict[str, int] = {}
         self._written_plan: Optional[str] = None
+        self._plan_dir: Optional[Path] = None
+        self._fallback_params: list[str] = []
 
     # ----------------------------------------------------------------------------------------- properties
     @property
@@ -230,6 +232,7 @@ class SGDTPStrategy(ParallelStrategy):
             "activation_checkpointing": self._checkpointed_blocks or [],
             "graphs": graphs,
             "graph_breaks": dict(self._graph_breaks),
+            "fallback_params": list(self._fallback_params),
             "last_step_sync": dict(ledger.last_step) if ledger else {},
             "bytes_per_step": {"in_graph": in_graph, "fallback": fallback, "total": in_graph + fallback},
         }
@@ -293,6 +296,8 @@ class SGDTPStrategy(ParallelStrategy):
     def _setup_training(self, trainer: "pl.Trainer") -> None:
         module = self.lightning_module
         assert module is not None
+        # `trainer.log_dir` broadcasts from rank 0: ask on every rank, here, never from rank 0 alone.
+        self._plan_dir = Path(trainer.log_dir or trainer.default_root_dir)
         self._say(
             f"parallelism={self._config.parallelism}: {self.world_size} ranks ({self.num_nodes} node(s) x"
             f" {self.num_processes}), data-parallel group of {self.dp_size}, backend={self._process_group_backend}"
@@ -356,11 +361,10 @@ class SGDTPStrategy(ParallelStrategy):
             return
         record, self._record = self._record, None
         synced = self._ledger.sync(record, everything=not self._compiler.in_graph_sync)
-        if synced and self._compiler.in_graph_sync:
-            key = "fallback:" + ",".join(synced)
-            if key not in self._graph_breaks:
-                self._graph_breaks[key] = 1
-                self._say(
+        new = [n for n in synced if n not in self._fallback_params]
+        if new and self._compiler.in_graph_sync:
+            self._fallback_params.extend(new)
+            self._say(
                     f"{len(synced)} parameter(s) get gradients outside the compiled graphs (eager regions); synced"
                     f" after backward by the fallback buckets: {', '.join(synced[:8])}"
                     + (" ..." if len(synced) > 8 else "")
@@ -414,12 +418,15 @@ class SGDTPStrategy(ParallelStrategy):
 
     def _publish_plan(self) -> None:
         for reason, count in _graph_break_counts().items():
-            if count > self._breaks_at_setup.get(reason, 0) and reason not in self._graph_breaks:
-                self._graph_breaks[reason] = count - self._breaks_at_setup.get(reason, 0)
-                self._say(f"graph break: {reason}")
+            new = count - self._breaks_at_setup.get(reason, 0)
+            if new > 0:
+                short = _short_reason(reason)
+                if short not in self._graph_breaks:
+                    self._say(f"graph break: {short}")
+                self._graph_breaks[short] = new
         plan = self.plan
         text = json.dumps(plan, indent=2, sort_keys=True, default=str)
-        key = json.dumps({k: plan[k] for k in ("graphs", "graph_breaks", "grad_sync")}, sort_keys=True, default=str)
+        key = json.dumps({k: plan[k] for k in ("graphs", "fallback_params", "grad_sync")}, sort_keys=True, default=str)
         if self.global_rank != 0 or key == self._written_plan:
             return
         if self._written_plan is None:
@@ -429,8 +436,7 @@ class SGDTPStrategy(ParallelStrategy):
                 f" {b['fallback'] / 2**20:.2f} MiB fallback"
             )
         self._written_plan = key
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        folder = Path(trainer.log_dir or trainer.default_root_dir) if trainer is not None else Path.cwd()
+        folder = self._plan_dir or Path.cwd()
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{PLAN_FILENAME}.tmp"
         tmp.write_text(text)
@@ -487,6 +493,13 @@ def _graph_break_counts() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return dict(counters["graph_break"])
+
+
+def _short_reason(reason: str) -> str:
+    """Dynamo's graph-break reasons are paragraphs; keep the headline and the explanation."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    explanation = next((line for line in lines if line.startswith("Explanation:")), "")
+    return " ".join(x for x in (lines[0] if lines else reason, explanation) if x)
 
 
 def _check_not_compiled(module: torch.nn.Module) -> None:

@@ -24,6 +24,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils._pytree import tree_map_only
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 c10d = torch.ops._c10d_functional
 
 
@@ -97,12 +98,12 @@ def plan_buckets(slots: Sequence[GradSlot], cap_bytes: int) -> list[list[int]]:
     return buckets
 
 
-def _add_node(graph: fx.Graph, fake_mode: Any, target: Any, args: tuple, kwargs: Optional[dict] = None) -> fx.Node:
+def _add_node(graph: fx.Graph, fake_mode: Any, target: Any, args: tuple) -> fx.Node:
     """Create a call_function node with the metadata Inductor needs (``val`` under the fake mode)."""
-    node = graph.call_function(target, args, kwargs)
+    node = graph.call_function(target, args)
     fake_args = fx.node.map_arg(args, lambda n: n.meta["val"])
     with fake_mode:
-        node.meta["val"] = target(*fake_args, **(kwargs or {}))
+        node.meta["val"] = target(*fake_args)
     node.meta["tensor_meta"] = tree_map_only(torch.Tensor, _extract_tensor_metadata, node.meta["val"])
     return node
 
@@ -171,17 +172,17 @@ def insert_bucketed_allreduce(
         grad_dtype = nodes[0].meta["val"].dtype
         anchor = max(nodes, key=order.__getitem__)
 
-        def add(target: Any, args: tuple, kwargs: Optional[dict] = None) -> fx.Node:
+        def add(target: Any, args: tuple) -> fx.Node:
             nonlocal anchor
             with graph.inserting_after(anchor):
-                anchor = _add_node(graph, fake_mode, target, args, kwargs)
+                anchor = _add_node(graph, fake_mode, target, args)
             return anchor
 
         flat = [add(aten.reshape.default, (n, [-1])) for n in nodes]
         buf = add(aten.cat.default, (flat,)) if len(flat) > 1 else flat[0]
         buf = add(aten.div.Tensor, (buf, world_size))
         if wire_dtype is not None and wire_dtype != grad_dtype:
-            buf = add(aten._to_copy.default, (buf,), {"dtype": wire_dtype})
+            buf = add(prims.convert_element_type.default, (buf, wire_dtype))
         collective = add(c10d.all_reduce.default, (buf, "sum", group_name))
         pending.append((nodes, collective, grad_dtype))
         numel = sum(slots[i].numel for i in members)
@@ -203,7 +204,7 @@ def insert_bucketed_allreduce(
         with graph.inserting_before(out_node):
             reduced = _add_node(graph, fake_mode, c10d.wait_tensor.default, (collective,))
             if reduced.meta["val"].dtype != grad_dtype:
-                reduced = _add_node(graph, fake_mode, aten._to_copy.default, (reduced,), {"dtype": grad_dtype})
+                reduced = _add_node(graph, fake_mode, prims.convert_element_type.default, (reduced, grad_dtype))
             sizes = [n.meta["val"].numel() for n in nodes]
             parts = _add_node(graph, fake_mode, aten.split_with_sizes.default, (reduced, sizes)) if len(nodes) > 1 else None
             for i, n in enumerate(nodes):

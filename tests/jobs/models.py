@@ -1,0 +1,101 @@
+"""Small LightningModules used by the parity jobs. Ordinary Lightning code: nothing strategy-specific."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+from gpt import GPTConfig, GPTLightningModule  # noqa: E402
+
+VOCAB, SEQ = 64, 16
+
+
+def token_data(n: int = 64, batch_size: int = 4, seed: int = 1234) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    y = torch.roll(x, -1, dims=1)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+class BreaksModel(L.LightningModule):
+    """Tied embedding/head, an unused layer, an eager region and graph breaks (``self.log`` and an explicit one)."""
+
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.lr = lr
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.side = nn.Linear(32, 32)  # used in an eager (compiler-disabled) region
+        self.head = nn.Linear(32, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.unused = nn.Linear(7, 7)  # never used: no gradient, must not be synced or break anything
+
+    @torch.compiler.disable
+    def side_branch(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.side(h))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.emb(x)
+        h = h + self.body(h)
+        self.log("mid_norm", h.detach().norm())  # a graph break in every training step
+        h = h + self.side_branch(h)
+        torch._dynamo.graph_break()
+        logits = self.head(h)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        h = self.emb(x)
+        h = h + self.body(h)
+        h = h + self.side_branch(h)
+        loss = F.cross_entropy(self.head(h).reshape(-1, VOCAB), y.reshape(-1))
+        self.log("val_loss", loss, sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        return self.head(self.emb(x) + self.body(self.emb(x))).argmax(-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class ManualModel(BreaksModel):
+    """Manual optimization: two backward calls per step (a gradient accumulated by hand) and clipping."""
+
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__(lr)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad()
+        for half in (slice(0, 2), slice(2, 4)):
+            h = self.emb(x[half])
+            h = h + self.body(h)
+            logits = self.head(h + self.side_branch(h))
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), y[half].reshape(-1)) / 2
+            self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+        self.log("train_loss", loss.detach())
+        return loss.detach()
+
+
+def small_gpt(lr: float = 1e-2) -> GPTLightningModule:
+    config = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32)
+    return GPTLightningModule.from_config(config, lr=lr, weight_decay=0.0)

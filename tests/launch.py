@@ -1,0 +1,74 @@
+"""Run a multi-process job script with a hard timeout; always reap every process it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = REPO / "tests" / "jobs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+    )
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], timeout: float = 420, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session; on timeout kill the whole process group (Lightning's children too)."""
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env or job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{cmd} timed out after {timeout}s; output tail:\n{out[-4000:]}") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # reap anything left behind
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def run_job(script: str, *args: str, timeout: float = 420, **env: str) -> subprocess.CompletedProcess:
+    result = run([sys.executable, str(JOBS / script), *args], timeout=timeout, env=job_env(**env))
+    assert result.returncode == 0, f"{script} {args} failed (rc={result.returncode}):\n{result.stdout[-6000:]}"
+    return result
+
+
+def load_result(out: Path) -> dict[str, Any]:
+    info = json.loads((out / "info.json").read_text())
+    info["ref"] = torch.load(out / "ref.pt")
+    info["sgdtp"] = torch.load(out / "sgdtp.pt")
+    return info
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a if a[k].is_floating_point())
