@@ -1,0 +1,107 @@
+"""Train a small byte-level GPT on the Python docs with Lightning and the ``sgdtp`` strategy.
+
+    python examples/train_gpt.py                     # 2 CPU processes, strategy sgdtp
+    python examples/train_gpt.py --strategy ddp      # the same run with Lightning's DDP, for reference
+    python examples/train_gpt.py --accelerator gpu --devices 8 --num_nodes 2 --precision bf16-mixed
+
+See examples/README.md for the expected runtime and perplexity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # so gpt.py and data.py import
+
+import lightning as L
+from data import PydocDataModule
+from gpt import GPTLightningModule
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities import rank_zero_only
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--devices", default="2", help="number of devices per node, or 'auto'")
+    p.add_argument("--num_nodes", type=int, default=1)
+    p.add_argument("--strategy", default="sgdtp", help="'sgdtp', or any Lightning strategy name, e.g. 'ddp'")
+    p.add_argument("--max_steps", type=int, default=360)
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--accumulate_grad_batches", type=int, default=1)
+    p.add_argument("--gradient_clip_val", type=float, default=1.0)
+    p.add_argument("--activation_checkpointing", action="store_true", help="sgdtp only: recompute each block")
+    p.add_argument("--bucket_cap_mb", type=float, default=None, help="sgdtp only: MiB per fused all-reduce (25)")
+    p.add_argument("--default_root_dir", default="runs/train_gpt")
+    p.add_argument("--seed", type=int, default=1234)
+    # Model and data.
+    p.add_argument("--block_size", type=int, default=128)
+    p.add_argument("--batch_size", type=int, default=32, help="per process")
+    p.add_argument("--n_layer", type=int, default=4)
+    p.add_argument("--n_head", type=int, default=4)
+    p.add_argument("--n_embd", type=int, default=128)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--weight_decay", type=float, default=0.1)
+    return p.parse_args(argv)
+
+
+def build_strategy(args: argparse.Namespace) -> str | Strategy:
+    """``sgdtp`` gets its options; any other name goes to Lightning as is, so this script is also the reference."""
+    if args.strategy != "sgdtp":
+        return args.strategy
+    from lightning_sgdtp import SGDTPStrategy
+
+    return SGDTPStrategy(
+        parallelism="data",
+        bucket_cap_mb=args.bucket_cap_mb,
+        activation_checkpointing=args.activation_checkpointing,
+    )
+
+
+@rank_zero_only
+def print0(message: str) -> None:
+    """Print once per job (global rank 0), not once per process."""
+    print(message, flush=True)
+
+
+def main(args: argparse.Namespace) -> None:
+    L.seed_everything(args.seed, workers=True)
+    datamodule = PydocDataModule(block_size=args.block_size, batch_size=args.batch_size)
+    model = GPTLightningModule(
+        vocab_size=datamodule.vocab_size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+    )
+    # Validate three times during training (counted in batches, across epoch boundaries).
+    val_every = max(1, args.max_steps * args.accumulate_grad_batches // 3)
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=int(args.devices) if args.devices.isdigit() else args.devices,
+        num_nodes=args.num_nodes,
+        strategy=build_strategy(args),
+        precision=args.precision,
+        max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate_grad_batches,
+        gradient_clip_val=args.gradient_clip_val,
+        val_check_interval=val_every,
+        check_val_every_n_epoch=None,
+        log_every_n_steps=10,
+        logger=CSVLogger(args.default_root_dir, name="csv"),
+        default_root_dir=args.default_root_dir,
+    )
+    print0(f"GPT: {model.model.num_parameters():,} parameters; strategy {args.strategy}")
+    trainer.fit(model, datamodule=datamodule)
+    # The last in-training validation may be up to `val_every` batches old: measure the final weights.
+    (metrics,) = trainer.validate(model, datamodule=datamodule, verbose=False)
+    print0(f"final val_loss {metrics['val_loss']:.4f}  val_ppl {metrics['val_ppl']:.3f}")
+
+
+if __name__ == "__main__":
+    main(parse_args())
