@@ -64,6 +64,7 @@ def run_job(script: str, *args: str, timeout: float = 420, **env: str) -> subpro
 
 def load_result(out: Path) -> dict[str, Any]:
     info = json.loads((out / "info.json").read_text())
+    info["init"] = torch.load(out / "init.pt")
     info["ref"] = torch.load(out / "ref.pt")
     info["sgdtp"] = torch.load(out / "sgdtp.pt")
     return info
@@ -72,3 +73,11 @@ def load_result(out: Path) -> dict[str, Any]:
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a if a[k].is_floating_point())
+
+
+def rel_update_diff(init: dict[str, torch.Tensor], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||(b - init) - (a - init)|| / ||a - init|| over all floating-point parameters."""
+    keys = [k for k in a if a[k].is_floating_point()]
+    num = sum(float((a[k].float() - b[k].float()).norm() ** 2) for k in keys) ** 0.5
+    den = sum(float((a[k].float() - init[k].float()).norm() ** 2) for k in keys) ** 0.5
+    return num / den
