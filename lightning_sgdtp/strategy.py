@@ -56,7 +56,8 @@ from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.ledger import BackwardRecord, GradLedger, walk_autograd_graph
 from lightning_sgdtp.parallel.checkpointing import apply_activation_checkpointing
 
-log = logging.getLogger("lightning_sgdtp")
+# A child of Lightning's logger: shown wherever Lightning's own info lines are, silenced with them.
+log = logging.getLogger("lightning.pytorch.sgdtp")
 
 PLAN_FILENAME = "sgdtp_plan.json"
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")

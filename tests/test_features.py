@@ -110,3 +110,12 @@ print("ERRORS" + json.dumps(errors))
     assert "torch.compile" in errors[1] and "plain LightningModule" in errors[1]
     assert "body" in errors[2] and "remove the torch.compile" in errors[2]
     assert "Initializing distributed" not in result.stdout  # nothing was launched
+
+
+def test_compile_cache_never_returns_a_backward_without_collectives(tmp_path: Path) -> None:
+    """Plain Inductor compiles the model first and fills AOTAutograd's cache; sgdtp must not reuse it."""
+    run_job("cache_pollution.py", str(tmp_path))
+    info = json.loads((tmp_path / "cache.json").read_text())
+    assert info["autograd_cache_saved"] >= 1, "the plain compile did not fill the cache: the test proves nothing"
+    assert sum(info["local_differs"]) >= 3, "ranks must see different gradients, else syncing proves nothing"
+    assert info["synced"] and all(info["synced"]), info
