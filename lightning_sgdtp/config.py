@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 PARALLELISMS = ("data", "tensor", "hybrid")
 AVAILABLE_PARALLELISMS = ("data",)
@@ -46,14 +46,14 @@ class SGDTPConfig:
 
     parallelism: Literal["data", "tensor", "hybrid"] = "data"
     bucket_cap_mb: float = 25.0
-    grad_comm_dtype: Optional[str] = None
+    grad_comm_dtype: str | None = None
     overlap: bool = True
     activation_checkpointing: bool = False
     broadcast_buffers: bool = True
     collective_timeout: float = 1800.0
-    pipeline_chunks: Optional[int] = None
-    pipeline_stages: Optional[int] = None
-    tensor_parallel_size: Optional[Any] = None
+    pipeline_chunks: int | None = None
+    pipeline_stages: int | None = None
+    tensor_parallel_size: Any | None = None
 
     def __post_init__(self) -> None:
         if self.parallelism not in PARALLELISMS:
@@ -94,7 +94,7 @@ class SGDTPConfig:
         return max(1, int(self.bucket_cap_mb * 2**20))
 
     @property
-    def comm_dtype_name(self) -> Optional[str]:
+    def comm_dtype_name(self) -> str | None:
         """Name of the torch dtype used on the wire, or None for the gradient's own dtype."""
         return GRAD_COMM_DTYPES[self.grad_comm_dtype] if self.grad_comm_dtype is not None else None
 
@@ -102,7 +102,7 @@ class SGDTPConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_options(cls, options: Optional[dict[str, Any]] = None, **overrides: Any) -> SGDTPConfig:
+    def from_options(cls, options: dict[str, Any] | None = None, **overrides: Any) -> SGDTPConfig:
         """Build a config from the design documents' ``torch.compile`` options dict.
 
         ``{"distributed": {"plugin": "sgdtp", "strategy": "data", "pipeline_chunks": 4}}``; every other

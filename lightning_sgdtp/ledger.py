@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -89,9 +89,9 @@ class GradLedger:
     def __init__(
         self,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
-        group: Optional[dist.ProcessGroup] = None,
+        group: dist.ProcessGroup | None = None,
         cap_bytes: int = 25 * 2**20,
-        wire_dtype: Optional[torch.dtype] = None,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         self.params = [(n, p) for n, p in named_parameters if p.requires_grad]
         self.index = {id(p): i for i, (_, p) in enumerate(self.params)}

@@ -18,21 +18,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
-
-import torch
-import torch.distributed as dist
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
-from torch.distributed.utils import _sync_module_states, _sync_params_and_buffers
-from torch.optim import Optimizer
-from typing_extensions import override
+from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -50,6 +44,12 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.utils import _sync_module_states, _sync_params_and_buffers
+from torch.optim import Optimizer
+from typing_extensions import override
+
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
 from lightning_sgdtp.compiler.buckets import GraphPlan
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
@@ -67,7 +67,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """``torch.save`` to a temporary file, fsync, then rename: a crash mid-save leaves the previous file whole."""
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         target = Path(path)
         if "://" in str(path):  # remote filesystems: fsspec's own semantics
             return super().save_checkpoint(checkpoint, path, storage_options)
@@ -101,23 +101,23 @@ class SGDTPStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        parallelism: Optional[str] = None,
-        bucket_cap_mb: Optional[float] = None,
-        grad_comm_dtype: Optional[str] = None,
-        overlap: Optional[bool] = None,
-        activation_checkpointing: Optional[bool] = None,
-        broadcast_buffers: Optional[bool] = None,
-        collective_timeout: Optional[float] = None,
-        pipeline_chunks: Optional[int] = None,
-        pipeline_stages: Optional[int] = None,
-        tensor_parallel_size: Optional[Any] = None,
-        options: Optional[dict[str, Any]] = None,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
+        parallelism: str | None = None,
+        bucket_cap_mb: float | None = None,
+        grad_comm_dtype: str | None = None,
+        overlap: bool | None = None,
+        activation_checkpointing: bool | None = None,
+        broadcast_buffers: bool | None = None,
+        collective_timeout: float | None = None,
+        pipeline_chunks: int | None = None,
+        pipeline_stages: int | None = None,
+        tensor_parallel_size: Any | None = None,
+        options: dict[str, Any] | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
     ) -> None:
         given = {
             "parallelism": parallelism,
@@ -142,16 +142,16 @@ class SGDTPStrategy(ParallelStrategy):
         )
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
-        self._compiler: Optional[SGDTPCompiler] = None
-        self._ledger: Optional[GradLedger] = None
+        self._compiler: SGDTPCompiler | None = None
+        self._ledger: GradLedger | None = None
         self._compiled_steps: dict[str, Callable] = {}
         self._sync_enabled = True
-        self._record: Optional[BackwardRecord] = None
-        self._checkpointed_blocks: Optional[list[str]] = None
+        self._record: BackwardRecord | None = None
+        self._checkpointed_blocks: list[str] | None = None
         self._graph_breaks: dict[str, int] = {}
         self._breaks_at_setup: dict[str, int] = {}
-        self._written_plan: Optional[str] = None
-        self._plan_dir: Optional[Path] = None
+        self._written_plan: str | None = None
+        self._plan_dir: Path | None = None
         self._fallback_params: list[str] = []
 
     # ----------------------------------------------------------------------------------------- properties
@@ -160,11 +160,11 @@ class SGDTPStrategy(ParallelStrategy):
         return self._config
 
     @property
-    def _lightning_module(self) -> Optional["pl.LightningModule"]:
+    def _lightning_module(self) -> pl.LightningModule | None:
         return self.__dict__.get("_lm")
 
     @_lightning_module.setter
-    def _lightning_module(self, module: Optional["pl.LightningModule"]) -> None:
+    def _lightning_module(self, module: pl.LightningModule | None) -> None:
         # Lightning assigns the module here before it spawns any process: the earliest place to refuse a
         # compiled module with our own message (Lightning's generic one comes right after).
         if module is not None:
@@ -204,11 +204,11 @@ class SGDTPStrategy(ParallelStrategy):
         return {"num_replicas": self.dp_size, "rank": self.global_rank}
 
     @property
-    def process_group_backend(self) -> Optional[str]:
+    def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
     @property
-    def ledger(self) -> Optional[GradLedger]:
+    def ledger(self) -> GradLedger | None:
         return self._ledger
 
     @property
@@ -278,15 +278,13 @@ class SGDTPStrategy(ParallelStrategy):
 
     # -------------------------------------------------------------------------------------------- setup
     @override
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # Every replica starts from rank 0's weights and buffers, as with DDP.
-        _sync_module_states(
-            self.model, _group.WORLD, 250 * 2**20, src=0, params_and_buffers_to_ignore=set()
-        )
+        _sync_module_states(self.model, _group.WORLD, 250 * 2**20, src=0, params_and_buffers_to_ignore=set())
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_training(trainer)
             self.setup_optimizers(trainer)
@@ -294,7 +292,7 @@ class SGDTPStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _setup_training(self, trainer: "pl.Trainer") -> None:
+    def _setup_training(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
         # `trainer.log_dir` broadcasts from rank 0: ask on every rank, here, never from rank 0 alone.
@@ -366,10 +364,10 @@ class SGDTPStrategy(ParallelStrategy):
         if new and self._compiler.in_graph_sync:
             self._fallback_params.extend(new)
             self._say(
-                    f"{len(synced)} parameter(s) get gradients outside the compiled graphs (eager regions); synced"
-                    f" after backward by the fallback buckets: {', '.join(synced[:8])}"
-                    + (" ..." if len(synced) > 8 else "")
-                )
+                f"{len(synced)} parameter(s) get gradients outside the compiled graphs (eager regions); synced"
+                f" after backward by the fallback buckets: {', '.join(synced[:8])}"
+                + (" ..." if len(synced) > 8 else "")
+            )
 
     @contextmanager
     @override
@@ -386,7 +384,7 @@ class SGDTPStrategy(ParallelStrategy):
         self,
         optimizer: Optimizer,
         closure: Callable[[], Any],
-        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -409,7 +407,9 @@ class SGDTPStrategy(ParallelStrategy):
 
     def _on_graph_plan(self, plan: GraphPlan) -> None:
         if not plan.in_graph_sync:
-            self._say(f"graph {plan.graph_id} captured: {len(plan.params)} parameter gradients, no in-graph collectives")
+            self._say(
+                f"graph {plan.graph_id} captured: {len(plan.params)} parameter gradients, no in-graph collectives"
+            )
             return
         sizes = ", ".join(f"{b.wire_bytes / 2**20:.2f}" for b in plan.buckets)
         self._say(
@@ -467,9 +467,7 @@ class SGDTPStrategy(ParallelStrategy):
         return box[0]
 
     @override
-    def reduce(
-        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Tensor:
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

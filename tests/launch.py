@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -36,10 +36,15 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(cmd: list[str], timeout: float = 420, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+def run(cmd: list[str], timeout: float = 420, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own session; on timeout kill the whole process group (Lightning's children too)."""
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env or job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd,
+        cwd=REPO,
+        env=env or job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
     try:

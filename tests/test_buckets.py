@@ -54,7 +54,9 @@ def backward_code(overlap: bool, cap_mb: float = 0.3) -> tuple[str, SGDTPCompile
     return codes[-1], compiler
 
 
-CALL = re.compile(r"^\s*(?:torch\.ops\._c10d_functional\.(all_reduce_|wait_tensor)\.default\((\w+)|.*(extern_kernels\.mm|cpp_fused_\w+)\()")
+CALL = re.compile(
+    r"^\s*(?:torch\.ops\._c10d_functional\.(all_reduce_|wait_tensor)\.default\((\w+)|.*(extern_kernels\.mm|cpp_fused_\w+)\()"
+)
 
 
 def schedule(code: str) -> list[tuple[str, str]]:

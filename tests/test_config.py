@@ -14,7 +14,9 @@ def test_defaults_and_options_dict() -> None:
 
 
 def test_explicit_keywords_win_over_options() -> None:
-    s = SGDTPStrategy(bucket_cap_mb=8, options={"distributed": {"plugin": "sgdtp", "strategy": "data", "bucket_cap_mb": 2}})
+    s = SGDTPStrategy(
+        bucket_cap_mb=8, options={"distributed": {"plugin": "sgdtp", "strategy": "data", "bucket_cap_mb": 2}}
+    )
     assert s.config.bucket_cap_mb == 8
 
 

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from launch import JOBS, free_port, job_env, max_abs_diff, run, run_job
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from launch import load_result, max_abs_diff, rel_update_diff, run_job
 
 LR = 1e-2

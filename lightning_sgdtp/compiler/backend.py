@@ -20,11 +20,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
+from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from lightning_sgdtp.compiler.buckets import GraphPlan, insert_bucketed_allreduce
@@ -68,10 +69,10 @@ class SGDTPCompiler:
 
     def __init__(
         self,
-        config: Optional[SGDTPConfig] = None,
-        group: Optional[dist.ProcessGroup] = None,
-        param_names: Optional[dict[int, str]] = None,
-        on_plan: Optional[Callable[[GraphPlan], None]] = None,
+        config: SGDTPConfig | None = None,
+        group: dist.ProcessGroup | None = None,
+        param_names: dict[int, str] | None = None,
+        on_plan: Callable[[GraphPlan], None] | None = None,
     ) -> None:
         self.config = config or SGDTPConfig()
         self.group = group
@@ -84,7 +85,7 @@ class SGDTPCompiler:
         self.graph_param_ids: set[int] = set()
         self._ids = itertools.count()
 
-    def _group(self) -> tuple[Optional[str], int]:
+    def _group(self) -> tuple[str | None, int]:
         if not (dist.is_available() and dist.is_initialized()):
             return None, 1
         group = self.group or dist.group.WORLD
@@ -137,8 +138,14 @@ class SGDTPCompiler:
             self.plans.append(plan)
             if self.on_plan is not None:
                 self.on_plan(plan)
-            overlap = {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": OVERLAP_PASSES}
-            with _salted(salt), (torch._inductor.config.patch(overlap) if sync and cfg.overlap else contextlib.nullcontext()):
+            overlap = {
+                "reorder_for_compute_comm_overlap": True,
+                "reorder_for_compute_comm_overlap_passes": OVERLAP_PASSES,
+            }
+            with (
+                _salted(salt),
+                torch._inductor.config.patch(overlap) if sync and cfg.overlap else contextlib.nullcontext(),
+            ):
                 return compile_fx_inner(g, inputs, **kwargs)
 
         with _salted(salt), torch._functorch.config.patch(enable_autograd_cache=False):
@@ -155,7 +162,7 @@ def _source_name(node: fx.Node) -> str:
 
 
 def sgdtp_backend(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], options: Optional[dict] = None, mode: Optional[str] = None
+    gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, mode: str | None = None
 ) -> Callable:
     """The backend registered with TorchDynamo as ``"sgdtp"``.
 

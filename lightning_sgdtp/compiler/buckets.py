@@ -14,11 +14,12 @@ Two pieces, each testable without processes:
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils._pytree import tree_map_only
@@ -123,7 +124,7 @@ def insert_bucketed_allreduce(
     group_name: str,
     world_size: int,
     cap_bytes: int,
-    wire_dtype: Optional[torch.dtype] = None,
+    wire_dtype: torch.dtype | None = None,
     graph_id: int = 0,
 ) -> GraphPlan:
     """Insert one fused async all-reduce per bucket into backward graph ``gm`` (in place).
@@ -206,7 +207,9 @@ def insert_bucketed_allreduce(
             if reduced.meta["val"].dtype != grad_dtype:
                 reduced = _add_node(graph, fake_mode, prims.convert_element_type.default, (reduced, grad_dtype))
             sizes = [n.meta["val"].numel() for n in nodes]
-            parts = _add_node(graph, fake_mode, aten.split_with_sizes.default, (reduced, sizes)) if len(nodes) > 1 else None
+            parts = (
+                _add_node(graph, fake_mode, aten.split_with_sizes.default, (reduced, sizes)) if len(nodes) > 1 else None
+            )
             for i, n in enumerate(nodes):
                 piece = _add_node(graph, fake_mode, operator.getitem, (parts, i)) if parts is not None else reduced
                 grad = _add_node(graph, fake_mode, aten.view.default, (piece, list(n.meta["val"].shape)))

@@ -8,14 +8,12 @@ whole backward, recomputation included.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from torch import nn
 
 
-def find_block_stack(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
+def find_block_stack(module: nn.Module) -> tuple[str, nn.Module] | None:
     """The largest ``nn.ModuleList`` / ``nn.Sequential`` whose children are >= 2 modules of one type."""
-    best: Optional[tuple[str, nn.Module]] = None
+    best: tuple[str, nn.Module] | None = None
     best_params = 0
     for name, child in module.named_modules():
         if not isinstance(child, (nn.ModuleList, nn.Sequential)):
@@ -36,8 +34,10 @@ def apply_activation_checkpointing(module: nn.Module) -> list[str]:
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
-        apply_activation_checkpointing as torch_apply,
         checkpoint_wrapper,
+    )
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as torch_apply,
     )
 
     found = find_block_stack(module)

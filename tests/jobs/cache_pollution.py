@@ -15,7 +15,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_sgdtp import SGDTPCompiler  # noqa: E402
+from lightning_sgdtp import SGDTPCompiler
 
 
 def model() -> nn.Module:

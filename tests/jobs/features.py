@@ -17,10 +17,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from models import BreaksModel, token_data  # noqa: E402
-from parity import params, trainer  # noqa: E402
+from models import BreaksModel, token_data
+from parity import params, trainer
 
-from lightning_sgdtp import SGDTPStrategy  # noqa: E402
+from lightning_sgdtp import SGDTPStrategy
 
 
 def resume(out: Path, part: str) -> dict[str, Any]:
@@ -34,7 +34,9 @@ def resume(out: Path, part: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"max_steps": -1, "max_epochs": 2}
     ckpt_path = None
     if part == "first":
-        kwargs.update(max_epochs=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=out / "ckpt", save_last=True)])
+        kwargs.update(
+            max_epochs=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=out / "ckpt", save_last=True)]
+        )
     if part == "resumed":
         with torch.no_grad():  # the weights must come from the checkpoint, not from the seed
             for p in model.parameters():

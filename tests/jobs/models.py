@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-from gpt import GPTConfig, GPTLightningModule  # noqa: E402
+from gpt import GPTConfig, GPTLightningModule
 
 VOCAB, SEQ = 64, 16
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning.pytorch as L
 import torch
@@ -18,9 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from models import BreaksModel, ManualModel, small_gpt, token_data  # noqa: E402
+from models import BreaksModel, ManualModel, small_gpt, token_data
 
-from lightning_sgdtp import SGDTPStrategy  # noqa: E402
+from lightning_sgdtp import SGDTPStrategy
 
 # name -> (model factory, trainer kwargs, sgdtp kwargs, reference strategy kwargs)
 CASES: dict[str, tuple[Callable[[], L.LightningModule], dict[str, Any], dict[str, Any]]] = {
@@ -36,18 +37,18 @@ CASES: dict[str, tuple[Callable[[], L.LightningModule], dict[str, Any], dict[str
 
 
 def trainer(strategy: Any, root: Path, **kwargs: Any) -> L.Trainer:
-    defaults = dict(
-        accelerator="cpu",
-        devices=2,
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    defaults = {
+        "accelerator": "cpu",
+        "devices": 2,
+        "max_steps": 6,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": str(root),
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+    }
     defaults.update(kwargs)
     return L.Trainer(strategy=strategy, **defaults)
 
@@ -60,7 +61,7 @@ def switch_off_sync(strategy: SGDTPStrategy) -> None:
     """Negative control: no in-graph collectives, no fallback. Proves the comparison can fail."""
     strategy._compiler.in_graph_sync = False
     strategy._ledger.sync = lambda record, everything=False: []
-    strategy._ledger.uncovered = lambda: []
+    strategy._ledger.uncovered = list
 
 
 def count_calls(obj: Any, name: str, counts: dict[str, int], key: str) -> None:
