@@ -109,3 +109,22 @@ def test_bf16_wire_dtype_halves_bytes(fake_world: None) -> None:
     (bucket,) = compiler.plans[0].buckets
     assert bucket.wire_dtype == "bfloat16" and bucket.wire_bytes * 2 == bucket.numel * 4
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_registered_backend_with_design_doc_options(fake_world: None) -> None:
+    """``torch.compile(model, backend="sgdtp", options={...})``: the string name and the options dict."""
+    torch._dynamo.reset()
+    options = {"distributed": {"plugin": "sgdtp", "strategy": "data", "bucket_cap_mb": 0.3}}
+    step = torch.compile(mlp(), backend="sgdtp", options=options)
+    x = torch.randn(8, 256)
+    _, codes = run_and_get_code(lambda: step(x).sum().backward())
+    issued = [e for e in schedule(codes[-1]) if e[0] == "all_reduce_"]
+    assert len(issued) >= 3, codes[-1]
+
+
+def test_registered_backend_refuses_unavailable_options(fake_world: None) -> None:
+    torch._dynamo.reset()
+    options = {"distributed": {"plugin": "sgdtp", "strategy": "data", "pipeline_chunks": 4}}
+    step = torch.compile(mlp(), backend="sgdtp", options=options)
+    with pytest.raises(Exception, match="pipeline_chunks=4 is not available yet"):
+        step(torch.randn(2, 256))

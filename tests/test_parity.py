@@ -18,8 +18,6 @@ Why these tolerances (measured here; the negative control is the same comparison
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from launch import load_result, max_abs_diff, rel_update_diff, run_job
 
@@ -37,11 +35,22 @@ CASES = {
 }
 
 
+_RESULTS: dict[str, dict] = {}
+
+
+def parity_result(case: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Run a case's job once per test session (several tests read the same run)."""
+    if case not in _RESULTS:
+        out = tmp_path_factory.mktemp(case)
+        run_job("parity.py", case, str(out))
+        _RESULTS[case] = load_result(out)
+    return _RESULTS[case]
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_parity_with_ddp(case: str, tmp_path: Path) -> None:
+def test_parity_with_ddp(case: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     tolerance, _ = CASES[case]
-    run_job("parity.py", case, str(tmp_path))
-    result = load_result(tmp_path)
+    result = parity_result(case, tmp_path_factory)
     rel = rel_update_diff(result["init"], result["ref"], result["sgdtp"])
     assert rel < REL_TOL, f"{case}: relative update difference {rel:.3g} >= {REL_TOL}"
     if tolerance is not None:
@@ -62,14 +71,15 @@ def test_parity_with_ddp(case: str, tmp_path: Path) -> None:
         for g in plan["graphs"]:
             for b in g["buckets"]:
                 assert b["wire_dtype"] == "bfloat16" and b["wire_bytes"] == 2 * b["numel"]
+    if case == "act_ckpt":
+        assert plan["activation_checkpointing"] == ["model.blocks.0", "model.blocks.1"]
     if case == "gpt":
         assert max(len(g["buckets"]) for g in plan["graphs"]) > 1, "bucket_cap_mb=0.01 must split the GPT"
 
 
-def test_ledger_coverage_on_breaks_model(tmp_path: Path) -> None:
+def test_ledger_coverage_on_breaks_model(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Tied params are synced by the graphs that use them, the eager region by the fallback, unused by nobody."""
-    run_job("parity.py", "breaks", str(tmp_path))
-    plan = load_result(tmp_path)["plan"]
+    plan = parity_result("breaks", tmp_path_factory)["plan"]
     step = plan["last_step_sync"]
     assert step["body.0.weight"] == ["graph"] and step["emb.weight"] == ["graph"]
     assert step["side.weight"] == ["fallback"] and step["side.bias"] == ["fallback"]
@@ -78,10 +88,9 @@ def test_ledger_coverage_on_breaks_model(tmp_path: Path) -> None:
     assert any("graph_break" in r or "torch.compiler.disable" in r for r in plan["graph_breaks"]), plan["graph_breaks"]
 
 
-def test_negative_control_missed_sync_is_detected(tmp_path: Path) -> None:
+def test_negative_control_missed_sync_is_detected(tmp_path_factory: pytest.TempPathFactory) -> None:
     """With sync switched off the same comparison fails by about the learning rate: the tests can fail."""
-    run_job("parity.py", "no_sync_control", str(tmp_path))
-    result = load_result(tmp_path)
+    result = parity_result("no_sync_control", tmp_path_factory)
     diff = max_abs_diff(result["ref"], result["sgdtp"])
     rel = rel_update_diff(result["init"], result["ref"], result["sgdtp"])
     assert diff > LR / 4 and diff > 20 * max(t for t, _ in CASES.values() if t), diff
