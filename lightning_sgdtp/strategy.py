@@ -307,6 +307,11 @@ class SGDTPStrategy(ParallelStrategy):
                 f"activation checkpointing on {len(self._checkpointed_blocks)} blocks"
                 f" ({self._checkpointed_blocks[0]} .. {self._checkpointed_blocks[-1]}), applied before compile"
             )
+        # Lightning's `self.log` is eager bookkeeping. Dynamo would trace into it and recompile it once per
+        # metric name; marking this instance's logging methods as not-to-compile gives one clean graph break.
+        for hook in ("log", "log_dict"):
+            if hook not in module.__dict__:
+                setattr(module, hook, torch.compiler.disable(getattr(module, hook)))
         if self._compiler is None:
             names = {id(p): n for n, p in module.named_parameters()}
             self._compiler = SGDTPCompiler(self._config, group=None, param_names=names, on_plan=self._on_graph_plan)
@@ -475,6 +480,10 @@ class SGDTPStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._compiled_steps.clear()
+        module = self.lightning_module
+        for hook in ("log", "log_dict"):
+            if module is not None and hook in module.__dict__:
+                delattr(module, hook)
         super().teardown()
 
     @classmethod
