@@ -84,7 +84,11 @@ class SGDTPConfig:
                 f"grad_comm_dtype={self.grad_comm_dtype!r} is not supported. Use None (communicate in the"
                 " gradient's own dtype) or 'bf16' (half the bytes, lossy)."
             )
-        if not (isinstance(self.collective_timeout, (int, float)) and self.collective_timeout > 0):
+        for name in ("overlap", "activation_checkpointing", "broadcast_buffers"):
+            if not isinstance(getattr(self, name), bool):
+                raise SGDTPConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
+        timeout = self.collective_timeout
+        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
             raise SGDTPConfigError(
                 f"collective_timeout={self.collective_timeout!r} must be a positive number of seconds, e.g. 600."
             )
@@ -122,6 +126,10 @@ class SGDTPConfig:
         if plugin != "sgdtp":
             raise SGDTPConfigError(
                 f'options["distributed"]["plugin"]={plugin!r}: this backend is the "sgdtp" plugin; set "plugin": "sgdtp".'
+            )
+        if "strategy" in dist and "parallelism" in dist:
+            raise SGDTPConfigError(
+                'options["distributed"] has both "strategy" and "parallelism" (the same option); keep "strategy".'
             )
         if "strategy" in dist:
             kwargs["parallelism"] = dist.pop("strategy")

@@ -54,7 +54,11 @@ from lightning_sgdtp.compiler.backend import SGDTPCompiler
 from lightning_sgdtp.compiler.buckets import GraphPlan
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.ledger import BackwardRecord, GradLedger, walk_autograd_graph
-from lightning_sgdtp.parallel.checkpointing import apply_activation_checkpointing
+from lightning_sgdtp.parallel.checkpointing import (
+    apply_activation_checkpointing,
+    find_block_stack,
+    no_block_stack_message,
+)
 
 # A child of Lightning's logger: shown wherever Lightning's own info lines are, silenced with them.
 log = logging.getLogger("lightning.pytorch.sgdtp")
@@ -133,6 +137,11 @@ class SGDTPStrategy(ParallelStrategy):
         }
         # Validate first: a bad option fails here, in the launching process, before anything is spawned.
         self._config = SGDTPConfig.from_options(options, **{k: v for k, v in given.items() if v is not None})
+        if process_group_backend is not None and process_group_backend not in dist.Backend.backend_list:
+            raise SGDTPConfigError(
+                f"process_group_backend={process_group_backend!r} is not a torch.distributed backend. Use one of"
+                f" {dist.Backend.backend_list}, or leave it None (nccl on GPUs, gloo on CPU)."
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -169,6 +178,9 @@ class SGDTPStrategy(ParallelStrategy):
         # compiled module with our own message (Lightning's generic one comes right after).
         if module is not None:
             _check_not_compiled(module)
+            wants_ac = self._config.activation_checkpointing and self._checkpointed_blocks is None
+            if wants_ac and find_block_stack(module) is None:
+                raise SGDTPConfigError(no_block_stack_message(module))
         self.__dict__["_lm"] = module
 
     @property
@@ -416,10 +428,10 @@ class SGDTPStrategy(ParallelStrategy):
                 f"graph {plan.graph_id} captured: {len(plan.params)} parameter gradients, no in-graph collectives"
             )
             return
-        sizes = ", ".join(f"{b.wire_bytes / 2**20:.2f}" for b in plan.buckets)
+        sizes = ", ".join(_size(b.wire_bytes) for b in plan.buckets)
         self._say(
             f"graph {plan.graph_id} captured: {len(plan.params)} parameter gradients in {len(plan.buckets)} bucket(s)"
-            f" [{sizes}] MiB, {plan.wire_bytes / 2**20:.2f} MiB all-reduced per backward"
+            f" [{sizes}], {_size(plan.wire_bytes)} all-reduced per backward"
         )
 
     def _publish_plan(self) -> None:
@@ -437,10 +449,7 @@ class SGDTPStrategy(ParallelStrategy):
             return
         if self._written_plan is None:
             b = plan["bytes_per_step"]
-            self._say(
-                f"bytes communicated per step: {b['in_graph'] / 2**20:.2f} MiB in-graph +"
-                f" {b['fallback'] / 2**20:.2f} MiB fallback"
-            )
+            self._say(f"bytes communicated per step: {_size(b['in_graph'])} in-graph + {_size(b['fallback'])} fallback")
         self._written_plan = key
         folder = self._plan_dir or Path.cwd()
         folder.mkdir(parents=True, exist_ok=True)
@@ -501,6 +510,13 @@ def _graph_break_counts() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return dict(counters["graph_break"])
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
 
 
 def _short_reason(reason: str) -> str:

@@ -73,8 +73,11 @@ class SGDTPCompiler:
         group: dist.ProcessGroup | None = None,
         param_names: dict[int, str] | None = None,
         on_plan: Callable[[GraphPlan], None] | None = None,
+        inductor_mode: str | None = None,
     ) -> None:
         self.config = config or SGDTPConfig()
+        #: torch.compile's ``mode`` ("max-autotune", ...): Inductor's own option set for that mode.
+        self.inductor_patches = torch._inductor.list_mode_options(inductor_mode) if inductor_mode else {}
         self.group = group
         self.param_names = dict(param_names or {})
         self.on_plan = on_plan
@@ -149,7 +152,7 @@ class SGDTPCompiler:
                 return compile_fx_inner(g, inputs, **kwargs)
 
         with _salted(salt), torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.inductor_patches)
 
 
 def _salted(key: str) -> Any:
@@ -170,13 +173,15 @@ def sgdtp_backend(
     syncs the gradients of the parameters used inside the compiled graphs over the default process group.
     """
     config = SGDTPConfig.from_options(options)
-    return SGDTPCompiler(config)(gm, example_inputs)
+    return SGDTPCompiler(config, inductor_mode=mode)(gm, example_inputs)
 
 
 def register_backend() -> None:
     """Register ``"sgdtp"`` with TorchDynamo (idempotent)."""
-    from torch._dynamo.backends.registry import _COMPILER_FNS
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS
     from torch._dynamo.backends.registry import register_backend as _register
 
-    if "sgdtp" not in _COMPILER_FNS:
+    # With the package installed, torch may already know "sgdtp" from our entry point; it then loads the
+    # entry point itself (which imports this package) and must be the one to register it.
+    if "sgdtp" not in _COMPILER_FNS and _BACKENDS.get("sgdtp") is None:
         _register(compiler_fn=sgdtp_backend, name="sgdtp")

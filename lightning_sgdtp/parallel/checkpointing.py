@@ -27,6 +27,14 @@ def find_block_stack(module: nn.Module) -> tuple[str, nn.Module] | None:
     return best
 
 
+def no_block_stack_message(module: nn.Module) -> str:
+    return (
+        "activation_checkpointing=True needs a stack of repeated blocks (an nn.ModuleList or nn.Sequential"
+        f" of at least two modules of the same type) in {type(module).__name__}; none was found. Keep your"
+        " layers in an nn.ModuleList, or set activation_checkpointing=False."
+    )
+
+
 def apply_activation_checkpointing(module: nn.Module) -> list[str]:
     """Wrap every block of the block stack with a non-reentrant checkpoint. Returns the wrapped names.
 
@@ -42,11 +50,7 @@ def apply_activation_checkpointing(module: nn.Module) -> list[str]:
 
     found = find_block_stack(module)
     if found is None:
-        raise ValueError(
-            "activation_checkpointing=True needs a stack of repeated blocks (an nn.ModuleList or nn.Sequential"
-            f" of at least two modules of the same type) in {type(module).__name__}; none was found. Keep your"
-            " layers in an nn.ModuleList, or set activation_checkpointing=False."
-        )
+        raise ValueError(no_block_stack_message(module))
     stack_name, stack = found
     blocks = {id(b) for b in stack.children()}
     torch_apply(
