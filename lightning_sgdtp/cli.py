@@ -1,0 +1,138 @@
+"""The ``sgdtp`` command. ``sgdtp diagnose TARGET [--json]``; see ``sgdtp diagnose --help``.
+
+TARGET names a factory: ``path/to/file.py:make`` or ``package.module:make`` (``:make`` is the default name). The
+factory takes no arguments and returns ``(module, example_batch)`` or ``(module, example_batch, step_fn)``; the
+file is imported as a module, so ops it registers with ``lightning_sgdtp.graph`` at import are live. Without a
+TARGET, ``sgdtp diagnose`` checks the compile cache only.
+
+Exit status: 0 when diagnose ran (whatever it found; with ``--strict``: 1 when it found an error), 2 when the
+TARGET could not be loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+class TargetError(Exception):
+    """The TARGET of ``sgdtp diagnose`` cannot be loaded or does not return what it should."""
+
+
+def load_factory(target: str) -> Callable[[], Any]:
+    """The factory named by ``path/to/file.py:name`` or ``package.module:name`` (``name`` defaults to ``make``)."""
+    spec, _, name = target.rpartition(":") if ":" in target and not _is_drive(target) else (target, "", "")
+    name = name or "make"
+    if spec.endswith(".py") or Path(spec).is_file():
+        path = Path(spec).expanduser().resolve()
+        if not path.is_file():
+            raise TargetError(f"{spec}: no such file")
+        sys.path.insert(0, str(path.parent))
+        module_spec = importlib.util.spec_from_file_location(f"_sgdtp_target_{path.stem}", path)
+        if module_spec is None or module_spec.loader is None:
+            raise TargetError(f"{spec}: cannot import this file")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_spec.name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(spec)
+        except ImportError as e:
+            raise TargetError(f"{spec}: cannot import ({e})") from e
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise TargetError(
+            f"{spec} has no callable {name!r} (TARGET is path/to/file.py:factory or package.module:factory)"
+        )
+    return factory
+
+
+def _is_drive(target: str) -> bool:  # C:\path\file.py on Windows
+    return len(target) > 2 and target[1] == ":" and target[2] in "\\/" and target.count(":") == 1
+
+
+def _unpack(made: Any, target: str) -> tuple[Any, Any, Any]:
+    if isinstance(made, (tuple, list)) and len(made) in (2, 3):
+        module, batch, *rest = made
+        return module, batch, (rest[0] if rest else None)
+    raise TargetError(
+        f"{target} returned {type(made).__name__}; expected (module, example_batch) or (module, example_batch, step_fn)"
+    )
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from lightning_sgdtp.diagnose import Diagnosis, check_compile_cache, diagnose
+
+    if args.target is None:
+        findings = check_compile_cache(args.cache_dir, write_marker=not args.no_marker)
+        from lightning_sgdtp.diagnose import _cache_path
+
+        result = Diagnosis(
+            target="compile cache",
+            backend="-",
+            findings=findings,
+            stats={"cache_dir": str(_cache_path(args.cache_dir))},
+        )
+    else:
+        try:
+            module, batch, step_fn = _unpack(load_factory(args.target)(), args.target)
+        except TargetError as e:
+            print(f"sgdtp diagnose: {e}", file=sys.stderr)
+            return 2
+        result = diagnose(
+            module,
+            batch,
+            step_fn,
+            backend=args.backend,
+            backward=not args.no_backward,
+            check_cache=not args.no_cache,
+            cache_dir=args.cache_dir,
+            write_cache_marker=not args.no_marker,
+        )
+    print(result.to_json() if args.json else result.to_text())
+    return 1 if args.strict and not result.ok else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sgdtp", description="lightning-sgdtp tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    d = commands.add_parser(
+        "diagnose",
+        help="compile a training step the way the sgdtp strategy does and report what goes wrong",
+        description=(
+            "Graph breaks (with source lines), recompilations (with the failed guards), parameters on mixed devices,"
+            " custom ops used on a device their specs refuse, and a stale or foreign compile cache. Each finding"
+            " says what to do."
+        ),
+    )
+    d.add_argument(
+        "target",
+        nargs="?",
+        help="path/to/file.py:factory or package.module:factory; factory() returns (module, example_batch[, step_fn])."
+        " Omit to check the compile cache only",
+    )
+    d.add_argument("--json", action="store_true", help="print JSON instead of text")
+    d.add_argument(
+        "--backend", default="sgdtp", help="'sgdtp' (the strategy's backend, default) or a TorchDynamo backend name"
+    )
+    d.add_argument("--no-backward", action="store_true", help="do not run backward through the compiled step")
+    d.add_argument("--no-cache", action="store_true", help="skip the compile-cache check")
+    d.add_argument("--cache-dir", default=None, help="the compile cache to check (default: Inductor's)")
+    d.add_argument("--no-marker", action="store_true", help="do not write the version marker into the cache")
+    d.add_argument("--strict", action="store_true", help="exit 1 when an error is found")
+    d.set_defaults(run=_diagnose)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
