@@ -319,11 +319,11 @@ class SGDTPStrategy(ParallelStrategy):
                 f"activation checkpointing on {len(self._checkpointed_blocks)} blocks"
                 f" ({self._checkpointed_blocks[0]} .. {self._checkpointed_blocks[-1]}), applied before compile"
             )
-        # Lightning's `self.log` is eager bookkeeping. Dynamo would trace into it and recompile it once per
-        # metric name; marking this instance's logging methods as not-to-compile gives one clean graph break.
-        for hook in ("log", "log_dict"):
-            if hook not in module.__dict__:
-                setattr(module, hook, torch.compiler.disable(getattr(module, hook)))
+        # Logging and metrics are eager bookkeeping. Dynamo would trace into `self.log` (one recompile per
+        # metric name) and into torchmetrics' update (a recompile per step: the update counter is guarded
+        # on). Running them eagerly costs one clean graph break each and keeps the graphs static.
+        for owner, hook in _bookkeeping_hooks(module):
+            setattr(owner, hook, torch.compiler.disable(getattr(owner, hook)))
         if self._compiler is None:
             names = {id(p): n for n, p in module.named_parameters()}
             self._compiler = SGDTPCompiler(self._config, group=None, param_names=names, on_plan=self._on_graph_plan)
@@ -489,10 +489,9 @@ class SGDTPStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._compiled_steps.clear()
-        module = self.lightning_module
-        for hook in ("log", "log_dict"):
-            if module is not None and hook in module.__dict__:
-                delattr(module, hook)
+        if self.lightning_module is not None:
+            for owner, hook in _bookkeeping_hooks(self.lightning_module, installed=True):
+                delattr(owner, hook)
         super().teardown()
 
     @classmethod
@@ -504,6 +503,18 @@ class SGDTPStrategy(ParallelStrategy):
             description="lightning-sgdtp: compiled step, gradient all-reduce fused into the compiled backward",
             override=True,
         )
+
+
+def _bookkeeping_hooks(module: torch.nn.Module, installed: bool = False) -> list[tuple[Any, str]]:
+    """The methods to run eagerly: Lightning's logging and every torchmetrics metric's forward.
+
+    ``installed=False``: those not wrapped yet; ``installed=True``: those we wrapped (instance attributes).
+    """
+    from torchmetrics import Metric
+
+    hooks: list[tuple[Any, str]] = [(module, "log"), (module, "log_dict")]
+    hooks += [(m, "forward") for m in module.modules() if isinstance(m, Metric)]
+    return [(owner, hook) for owner, hook in hooks if (hook in owner.__dict__) == installed]
 
 
 def _graph_break_counts() -> dict[str, int]:
