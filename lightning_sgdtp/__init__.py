@@ -5,9 +5,11 @@ communication inside the compiled backward.
 ``pytorch_lightning``'s when that is in use) and with TorchDynamo as a ``torch.compile`` backend.
 """
 
+from lightning_sgdtp import graph
 from lightning_sgdtp._registration import register_strategies
 from lightning_sgdtp.compiler.backend import SGDTPCompiler, register_backend, sgdtp_backend
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.diagnose import diagnose
 from lightning_sgdtp.strategy import SGDTPStrategy
 
 __version__ = "0.1.0"
@@ -17,6 +19,8 @@ __all__ = [
     "SGDTPConfig",
     "SGDTPConfigError",
     "SGDTPStrategy",
+    "diagnose",
+    "graph",
     "sgdtp_backend",
 ]
 
