@@ -36,28 +36,44 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(cmd: list[str], timeout: float = 420, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own session; on timeout kill the whole process group (Lightning's children too)."""
-    proc = subprocess.Popen(
+def start(cmd: list[str], env: dict[str, str] | None = None, merge_stderr: bool = True) -> subprocess.Popen:
+    """Start ``cmd`` in its own session, so that it and every process it starts can be killed together."""
+    return subprocess.Popen(
         cmd,
         cwd=REPO,
         env=env or job_env(),
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str, bool]:
+    """Wait for ``proc``; on timeout kill its whole process group. Always reap what it left behind.
+
+    Returns (stdout, stderr, timed_out)."""
+    timed_out = False
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{cmd} timed out after {timeout}s; output tail:\n{out[-4000:]}") from None
+        out, err = proc.communicate()
+        timed_out = True
     finally:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # reap anything left behind
+            os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    return out, err or "", timed_out
+
+
+def run(cmd: list[str], timeout: float = 420, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to completion (stderr merged into stdout); a timeout fails the test with the output tail."""
+    proc = start(cmd, env)
+    out, _, timed_out = finish(proc, timeout)
+    if timed_out:
+        raise AssertionError(f"{cmd} timed out after {timeout}s; output tail:\n{out[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 

@@ -10,10 +10,7 @@ Blocks run two at a time (one thread each); the whole file takes about a minute 
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -23,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from launch import finish, job_env, start
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -80,36 +78,15 @@ RUNNABLE = [b for b in PYTHON if b.runs]
 
 def run_block(block: Block) -> tuple[int, str, str, float]:
     """Run one block as a script in a fresh interpreter; kill its whole process group on timeout."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    env.update(
-        OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    )
     with tempfile.TemporaryDirectory(prefix="sgdtp-doc-") as tmp:
         script = Path(tmp) / f"block_{block.path.stem}_{block.line}.py"
         script.write_text(block.code)
-        start = time.monotonic()
-        proc = subprocess.Popen(
-            [sys.executable, str(script)],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            out, err = proc.communicate(timeout=BLOCK_TIMEOUT)
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            rc, err = -9, err + f"\n[timed out after {BLOCK_TIMEOUT}s]"
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # reap anything the block left behind
-            except ProcessLookupError:
-                pass
-        return rc, out, err, time.monotonic() - start
+        begin = time.monotonic()
+        proc = start([sys.executable, str(script)], env=job_env(), merge_stderr=False)
+        out, err, timed_out = finish(proc, BLOCK_TIMEOUT)
+        if timed_out:
+            return -9, out, err + f"\n[timed out after {BLOCK_TIMEOUT}s]", time.monotonic() - begin
+        return proc.returncode, out, err, time.monotonic() - begin
 
 
 @pytest.fixture(scope="module")

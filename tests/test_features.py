@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
-from launch import JOBS, free_port, job_env, max_abs_diff, run, run_job
+from launch import JOBS, finish, free_port, job_env, max_abs_diff, run, run_job, start
 
 
 def test_resume_ends_with_exactly_the_uninterrupted_parameters(tmp_path: Path) -> None:
@@ -40,34 +40,9 @@ def test_validate_test_predict_and_sampler(tmp_path: Path) -> None:
 def test_two_nodes_via_node_rank(tmp_path: Path) -> None:
     """num_nodes=2 with devices=1, one process per simulated node (NODE_RANK=0/1), as a cluster launches it."""
     port = str(free_port())
-    procs = []
-    import subprocess
-
-    for node in (0, 1):
-        env = job_env(NODE_RANK=str(node), MASTER_PORT=port)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(JOBS / "features.py"), "nodes", str(tmp_path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        )
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=400)[0])
-    finally:
-        import os
-        import signal
-
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    cmd = [sys.executable, str(JOBS / "features.py"), "nodes", str(tmp_path)]
+    procs = [start(cmd, env=job_env(NODE_RANK=str(node), MASTER_PORT=port)) for node in (0, 1)]
+    outputs = [finish(p, timeout=400)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
     info = json.loads((tmp_path / "nodes.json").read_text())
     assert info["world_size"] == 2 and info["num_nodes"] == 2 and info["plan_world"] == 2

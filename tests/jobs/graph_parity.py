@@ -19,7 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from parity import params, trainer
 
 from lightning_sgdtp import SGDTPStrategy, graph
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
@@ -97,37 +100,17 @@ def data() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
 
 
-def trainer(strategy: Any, root: Path) -> L.Trainer:
-    return L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-
-
-def params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def main(out: Path) -> None:
     L.seed_everything(0, verbose=False)
     ref_model = MLP(fused=False)
     init = params(ref_model)
-    trainer("ddp", out / "ref").fit(ref_model, data())
+    trainer("ddp", out / "ref", max_steps=STEPS).fit(ref_model, data())
 
     L.seed_everything(0, verbose=False)
     model = MLP(fused=True)
     assert all(torch.equal(init[k], v) for k, v in params(model).items()), "both models must start equal"
     strategy = SGDTPStrategy()
-    run = trainer(strategy, out / "sgdtp")
+    run = trainer(strategy, out / "sgdtp", max_steps=STEPS)
     run.fit(model, data())
 
     if run.global_rank == 0:
