@@ -93,7 +93,8 @@ class GradLedger:
         cap_bytes: int = 25 * 2**20,
         wire_dtype: torch.dtype | None = None,
     ) -> None:
-        self.params = [(n, p) for n, p in named_parameters if p.requires_grad]
+        # Every parameter, trainable or not now: a callback may unfreeze one later (fine-tuning).
+        self.params = list({id(p): (n, p) for n, p in named_parameters}.values())
         self.index = {id(p): i for i, (_, p) in enumerate(self.params)}
         self.group = group
         self.cap_bytes = cap_bytes
@@ -101,35 +102,71 @@ class GradLedger:
         self.step_counts: Counter[tuple[str, Sync]] = Counter()
         self.last_step: dict[str, list[str]] = {}
         self.fallback_bytes_last_step = 0
+        self.graph_bytes_last_step = 0
         self._fallback_bytes = 0
+        self._graph_bytes = 0
+        self._touched: set[int] = set()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda t: self._touched.add(id(t)))
+            for _, p in self.params
+            if p.requires_grad
+        ]
 
     @property
     def world_size(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
-    def sync(self, record: BackwardRecord, everything: bool = False) -> list[str]:
-        """After a backward: average what the graphs did not. Returns the names synced here.
+    def _flags(self, ids: set[int]) -> torch.Tensor:
+        flags = torch.zeros(len(self.params), dtype=torch.int32)
+        for pid in ids:
+            if pid not in self.index:
+                raise RuntimeError(
+                    "sgdtp: a parameter that was not in the module at setup received a gradient. Create all"
+                    " parameters before trainer.fit (in __init__ or configure_model), not during training."
+                )
+            flags[self.index[pid]] = 1
+        return flags
 
-        ``everything=True`` syncs all gradients (used after the last micro-batch of an accumulation,
-        when the graphs ran without collectives).
+    def agree(self, record: BackwardRecord, everything: bool = False) -> BackwardRecord:
+        """Before backward: make every rank agree on what the fallback will send, and check that every rank
+        is about to run the same in-graph collectives. One small all-reduce of three bitmaps (MAX).
+
+        ``everything=True``: the graphs carry no collectives (last micro-batch of an accumulation); the
+        fallback sends every gradient (those accumulated so far and those this backward will produce).
         """
         if everything:
-            local = {id(p) for _, p in self.params if p.grad is not None}
-            graph: set[int] = set()
+            accumulated = {id(p) for _, p in self.params if p.grad is not None}
+            local, graph = accumulated | record.graph | record.eager, set()
         else:
             local, graph = record.eager, record.graph
-        for pid in graph - local:
-            self.step_counts[(self.params[self.index[pid]][0], Sync.GRAPH)] += 1
-        flags = torch.zeros(len(self.params), dtype=torch.int32)
-        for pid in local:
-            if pid in self.index:
-                flags[self.index[pid]] = 1
+        eager_flags, graph_flags = self._flags(local), self._flags(graph)
+        both = torch.cat([eager_flags, graph_flags, -graph_flags])
         if self.world_size > 1:
-            dist.all_reduce(flags, group=self.group)  # union over ranks: every rank sends the same buckets
-        chosen = [self.params[i] for i in flags.nonzero().flatten().tolist()]
-        for name, p in chosen:
-            if id(p) in graph:
-                self.step_counts[(name, Sync.GRAPH)] += 1
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        n = len(self.params)
+        union, graph_max, graph_min = both[:n], both[n : 2 * n], -both[2 * n :]
+        differ = (graph_max != graph_min).nonzero().flatten().tolist()
+        if differ:
+            names = [self.params[i][0] for i in differ[:5]]
+            raise RuntimeError(
+                f"sgdtp: ranks are about to run different compiled backward graphs (parameters {names} are in a"
+                " compiled graph on some ranks only), so their in-graph all-reduces would not match. This comes"
+                " from control flow that differs between ranks (a data-dependent branch around a graph break)."
+                " Make the branch the same on every rank, or move it into a torch.compiler.disable'd function"
+                " (its gradients are then synced after backward)."
+            )
+        return BackwardRecord(
+            graph=set(graph), eager={id(self.params[i][1]) for i in union.nonzero().flatten().tolist()}
+        )
+
+    def sync(self, agreed: BackwardRecord) -> list[str]:
+        """After backward: average the gradients the ranks agreed on in :meth:`agree`. Returns their names."""
+        for pid in agreed.graph:
+            name, p = self.params[self.index[pid]]
+            self.step_counts[(name, Sync.GRAPH)] += 1
+            self._graph_bytes += p.numel() * (self.wire_dtype.itemsize if self.wire_dtype else p.element_size())
+        chosen = [self.params[self.index[pid]] for pid in sorted(agreed.eager, key=self.index.__getitem__)]
+        for name, _ in chosen:
             self.step_counts[(name, Sync.FALLBACK)] += 1
         if chosen and self.world_size > 1:
             self._all_reduce_mean([p for _, p in chosen])
@@ -166,16 +203,25 @@ class GradLedger:
                 offset += n
 
     def end_step(self) -> dict[str, list[str]]:
-        """Close the optimizer step: record how each parameter was synced, check coverage, reset."""
+        """Close the optimizer step: record how each parameter was synced, reset."""
         summary: dict[str, list[str]] = {}
         for (name, how), count in sorted(self.step_counts.items()):
             summary.setdefault(name, []).extend([how.value] * count)
         self.last_step = summary
-        self.fallback_bytes_last_step = self._fallback_bytes
+        self.fallback_bytes_last_step, self.graph_bytes_last_step = self._fallback_bytes, self._graph_bytes
         self.step_counts.clear()
-        self._fallback_bytes = 0
+        self._fallback_bytes = self._graph_bytes = 0
         return summary
 
-    def uncovered(self) -> list[str]:
-        """Parameters that have a gradient but were not averaged in the last closed step (should be empty)."""
-        return [n for n, p in self.params if p.grad is not None and n not in self.last_step]
+    def uncovered(self, params: Iterable[torch.nn.Parameter] | None = None) -> list[str]:
+        """Parameters (of ``params``, default all) whose gradient was accumulated during the last closed step
+        but never averaged: should be empty."""
+        wanted = {id(p) for p in params} if params is not None else set(self.index)
+        missing = [n for n, p in self.params if id(p) in wanted and id(p) in self._touched and n not in self.last_step]
+        self._touched.clear()
+        return missing
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

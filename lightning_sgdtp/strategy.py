@@ -52,7 +52,7 @@ from typing_extensions import override
 
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
 from lightning_sgdtp.compiler.buckets import GraphPlan
-from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.ledger import BackwardRecord, GradLedger, walk_autograd_graph
 from lightning_sgdtp.parallel.checkpointing import (
     apply_activation_checkpointing,
@@ -162,6 +162,7 @@ class SGDTPStrategy(ParallelStrategy):
         self._written_plan: str | None = None
         self._plan_dir: Path | None = None
         self._fallback_params: list[str] = []
+        self._compiled_for: tuple[int, bool] | None = None
 
     # ----------------------------------------------------------------------------------------- properties
     @property
@@ -228,7 +229,7 @@ class SGDTPStrategy(ParallelStrategy):
         """Everything the plugin decided, as plain data (also written to ``sgdtp_plan.json`` next to the logs)."""
         compiler, ledger = self._compiler, self._ledger
         graphs = [p.to_dict() for p in compiler.plans] if compiler else []
-        in_graph = sum(g["wire_bytes"] for g in graphs)
+        in_graph = ledger.graph_bytes_last_step if ledger else 0
         fallback = ledger.fallback_bytes_last_step if ledger else 0
         return {
             "parallelism": self._config.parallelism,
@@ -238,7 +239,9 @@ class SGDTPStrategy(ParallelStrategy):
             "process_group_backend": self._process_group_backend,
             "config": self._config.to_dict(),
             "grad_sync": (
-                "in-graph"
+                "none (one process)"
+                if self.world_size == 1
+                else "in-graph"
                 if compiler is None or compiler.in_graph_sync
                 else "after-last-micro-batch (gradient accumulation)"
             ),
@@ -254,6 +257,12 @@ class SGDTPStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         self._check_precision()
+        if self._layer_sync is not None:
+            raise NotAvailableYetError(
+                "Trainer(sync_batchnorm=True) is not available yet with the sgdtp strategy (SyncBatchNorm's"
+                " forward collectives are not in the compiled step). Remove sync_batchnorm=True (buffers are still"
+                " broadcast from rank 0 each step, as broadcast_buffers=True), or use strategy='ddp'."
+            )
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -324,15 +333,24 @@ class SGDTPStrategy(ParallelStrategy):
         # on). Running them eagerly costs one clean graph break each and keeps the graphs static.
         for owner, hook in _bookkeeping_hooks(module):
             setattr(owner, hook, torch.compiler.disable(getattr(owner, hook)))
-        if self._compiler is None:
+        accumulate = trainer.accumulate_grad_batches
+        in_graph = accumulate == 1
+        # A new compiler (a new backend object, so Dynamo compiles afresh) for a new module or a new sync mode:
+        # graphs compiled for another module or without collectives must never be reused.
+        key = (id(module), in_graph)
+        if self._compiler is None or self._compiled_for != key:
+            self._release_ledger()
+            self._compiled_steps.clear()
+            self._compiled_for = key
             names = {id(p): n for n, p in module.named_parameters()}
             self._compiler = SGDTPCompiler(self._config, group=None, param_names=names, on_plan=self._on_graph_plan)
+            self._compiler.in_graph_sync = in_graph
             wire = getattr(torch, self._config.comm_dtype_name) if self._config.comm_dtype_name else None
             self._ledger = GradLedger(module.named_parameters(), None, self._config.bucket_cap_bytes, wire)
             self._breaks_at_setup = _graph_break_counts()
-        accumulate = trainer.accumulate_grad_batches
-        self._compiler.in_graph_sync = accumulate == 1
-        if accumulate == 1:
+        if self.world_size == 1:
+            self._say("one process: nothing to communicate; the step is compiled without collectives")
+        elif in_graph:
             self._say(
                 f"gradient sync inside the compiled backward: buckets of <= {self._config.bucket_cap_mb} MiB,"
                 f" {'overlapped with backward compute' if self._config.overlap else 'no overlap scheduling'}"
@@ -367,23 +385,37 @@ class SGDTPStrategy(ParallelStrategy):
             _sync_params_and_buffers(_group.WORLD, buffers, 250 * 2**20, 0)
 
     @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        if self._sync_enabled and self._compiler is not None:
-            self._record = walk_autograd_graph(closure_loss, self._compiler.graph_param_ids)
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        # Lightning's Strategy.backward, with the gradient sync placed right after backward, before the
+        # precision plugin's post_backward runs `on_after_backward`: hooks see averaged gradients, as with DDP.
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        self._sync_after_backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
-    def post_backward(self, closure_loss: Tensor) -> None:
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._sync_enabled and self._compiler is not None and self._ledger is not None:
+            record = walk_autograd_graph(closure_loss, self._compiler.graph_param_ids)
+            # Agree before backward: a rank about to run other in-graph collectives fails here, not in a hang.
+            self._record = self._ledger.agree(record, everything=not self._compiler.in_graph_sync)
+
+    def _sync_after_backward(self) -> None:
         if self._record is None or self._ledger is None or self._compiler is None:
             return
         record, self._record = self._record, None
-        synced = self._ledger.sync(record, everything=not self._compiler.in_graph_sync)
+        synced = self._ledger.sync(record)
         new = [n for n in synced if n not in self._fallback_params]
         if new and self._compiler.in_graph_sync:
             self._fallback_params.extend(new)
             self._say(
-                f"{len(synced)} parameter(s) get gradients outside the compiled graphs (eager regions); synced"
-                f" after backward by the fallback buckets: {', '.join(synced[:8])}"
-                + (" ..." if len(synced) > 8 else "")
+                f"{len(new)} parameter(s) get gradients outside the compiled graphs (eager regions); synced"
+                f" after backward by the fallback buckets: {', '.join(new[:8])}" + (" ..." if len(new) > 8 else "")
             )
 
     @contextmanager
@@ -407,12 +439,14 @@ class SGDTPStrategy(ParallelStrategy):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._ledger is not None:
             self._ledger.end_step()
-            missing = self._ledger.uncovered()
+            stepped = [p for group in optimizer.param_groups for p in group["params"]]
+            missing = self._ledger.uncovered(stepped)
             if missing:
                 raise RuntimeError(
-                    f"sgdtp: the gradients of {missing[:5]} were not averaged across ranks this step: they were"
-                    " produced outside the strategy's backward. In manual optimization call"
-                    " self.manual_backward(loss), not loss.backward()."
+                    f"sgdtp: the gradients of {missing[:5]} were not averaged across ranks this step. They came"
+                    " from a backward the strategy did not see (in manual optimization call"
+                    " self.manual_backward(loss), not loss.backward()) or through an autograd node that hides its"
+                    " parameters (reentrant activation checkpointing: use use_reentrant=False)."
                 )
             self._publish_plan()
         return out
@@ -485,6 +519,10 @@ class SGDTPStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    def _release_ledger(self) -> None:
+        if self._ledger is not None:
+            self._ledger.remove_hooks()
 
     @override
     def teardown(self) -> None:

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_sgdtp import SGDTPCompiler
 from lightning_sgdtp.ledger import GradLedger, Sync, walk_autograd_graph
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_world() -> None:
+    """A fake 2-rank process group: graphs get their in-graph collectives (no-ops here), as on 2 ranks."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
 
 
 class Mixed(nn.Module):
@@ -29,7 +40,7 @@ class Mixed(nn.Module):
 def test_walk_classifies_graph_and_eager_edges() -> None:
     torch._dynamo.reset()
     model = Mixed()
-    compiler = SGDTPCompiler()  # no process group: plain single-process compile, same graph structure
+    compiler = SGDTPCompiler()
     loss = torch.compile(model, backend=compiler)(torch.randn(4, 8))
     record = walk_autograd_graph(loss, compiler.graph_param_ids)
     name = {id(p): n for n, p in model.named_parameters()}
@@ -44,11 +55,23 @@ def test_single_process_ledger_records_every_gradient_once() -> None:
     ledger = GradLedger(model.named_parameters())
     loss = torch.compile(model, backend=compiler)(torch.randn(4, 8))
     record = walk_autograd_graph(loss, compiler.graph_param_ids)
+    agreed = ledger.agree(record)
     loss.backward()
-    synced = ledger.sync(record)
+    synced = ledger.sync(agreed)
     assert sorted(synced) == ["both.bias", "both.weight", "outside.bias", "outside.weight"]
     summary = ledger.end_step()
     assert summary["inside.weight"] == [Sync.GRAPH.value]
     assert summary["outside.weight"] == [Sync.FALLBACK.value]
     assert summary["both.weight"] == [Sync.FALLBACK.value, Sync.GRAPH.value]
     assert "unused.weight" not in summary and ledger.uncovered() == []
+    ledger.remove_hooks()
+
+
+def test_uncovered_reports_a_gradient_the_ledger_never_saw() -> None:
+    model = Mixed()
+    ledger = GradLedger(model.named_parameters())
+    model.inside(torch.randn(2, 8)).sum().backward()  # a backward the strategy did not see
+    ledger.end_step()
+    assert ledger.uncovered(model.inside.parameters()) == ["inside.weight", "inside.bias"]
+    assert ledger.uncovered() == []  # each step is checked once
+    ledger.remove_hooks()

@@ -103,9 +103,10 @@ class SGDTPCompiler:
         for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
             if isinstance(value, torch.nn.Parameter) and value.requires_grad:
                 grad_outputs[i] = self.param_names.get(id(value)) or _source_name(node)
-                self.graph_param_ids.add(id(value))
         group_name, world_size = self._group()
         sync = bool(self.in_graph_sync and grad_outputs and group_name is not None and world_size > 1)
+        if sync:  # only parameters whose gradients this graph really averages (the ledger trusts this set)
+            self.graph_param_ids.update(id(v) for i, v in enumerate(example_inputs) if i in grad_outputs)
         cfg = self.config
         wire_dtype = getattr(torch, cfg.comm_dtype_name) if cfg.comm_dtype_name else None
         salt = f"{PLAN_VERSION}:{sync}:{group_name}:{world_size}:{cfg.bucket_cap_bytes}:{wire_dtype}:{cfg.overlap}"

@@ -121,7 +121,6 @@ def main(out: Path) -> None:
             "op_nodes": OP_NODES,
             "calls": CALLS,
             "plan": strategy.plan,
-            "uncovered": strategy.ledger.uncovered(),
             "world_size": run.world_size,
         }
         (out / "info.json").write_text(json.dumps(info, default=str))

@@ -61,7 +61,7 @@ def switch_off_sync(strategy: SGDTPStrategy) -> None:
     """Negative control: no in-graph collectives, no fallback. Proves the comparison can fail."""
     strategy._compiler.in_graph_sync = False
     strategy._ledger.sync = lambda record, everything=False: []
-    strategy._ledger.uncovered = list
+    strategy._ledger.uncovered = lambda params=None: []
 
 
 def count_calls(obj: Any, name: str, counts: dict[str, int], key: str) -> None:
@@ -74,6 +74,21 @@ def count_calls(obj: Any, name: str, counts: dict[str, int], key: str) -> None:
     setattr(obj, name, counted)
 
 
+class FirstStepGrads(L.Callback):
+    """The averaged gradients the optimizer sees at the first step (AdamW hides a gradient scale error; this doesn't)."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        if not self.grads:
+            self.grads = {
+                n.replace("_checkpoint_wrapped_module.", ""): p.grad.detach().clone()
+                for n, p in module.named_parameters()
+                if p.grad is not None
+            }
+
+
 def main(case: str, out: Path) -> None:
     factory, trainer_kwargs, sgdtp_kwargs = CASES[case]
     data = token_data()
@@ -81,13 +96,14 @@ def main(case: str, out: Path) -> None:
     L.seed_everything(0, verbose=False)
     ref_model = factory()
     init = params(ref_model)
-    ref = trainer("ddp_find_unused_parameters_true", out / "ref", **trainer_kwargs)
+    ref_grads, grads = FirstStepGrads(), FirstStepGrads()
+    ref = trainer("ddp_find_unused_parameters_true", out / "ref", callbacks=[ref_grads], **trainer_kwargs)
     ref.fit(ref_model, data)
 
     L.seed_everything(0, verbose=False)
     model = factory()
     strategy = SGDTPStrategy(**sgdtp_kwargs)
-    run = trainer(strategy, out / "sgdtp", **trainer_kwargs)
+    run = trainer(strategy, out / "sgdtp", callbacks=[grads], **trainer_kwargs)
     counts = {"backwards": 0, "syncs": 0}
     orig_setup = strategy._setup_training
 
@@ -103,11 +119,10 @@ def main(case: str, out: Path) -> None:
 
     if run.global_rank == 0:
         torch.save(init, out / "init.pt")
+        torch.save({"ref": ref_grads.grads, "sgdtp": grads.grads}, out / "grads.pt")
         torch.save(params(ref_model), out / "ref.pt")
         torch.save(params(model), out / "sgdtp.pt")
-        (out / "info.json").write_text(
-            json.dumps({"plan": strategy.plan, "uncovered": strategy.ledger.uncovered(), **counts}, default=str)
-        )
+        (out / "info.json").write_text(json.dumps({"plan": strategy.plan, **counts}, default=str))
 
 
 if __name__ == "__main__":
