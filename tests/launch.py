@@ -86,7 +86,8 @@ def run_job(script: str, *args: str, timeout: float = 420, **env: str) -> subpro
 def load_result(out: Path) -> dict[str, Any]:
     info = json.loads((out / "info.json").read_text())
     info["init"] = torch.load(out / "init.pt")
-    info["grads"] = torch.load(out / "grads.pt")
+    if (out / "grads.pt").exists():  # the parity jobs' first-step gradients
+        info["grads"] = torch.load(out / "grads.pt")
     info["ref"] = torch.load(out / "ref.pt")
     info["sgdtp"] = torch.load(out / "sgdtp.pt")
     return info
