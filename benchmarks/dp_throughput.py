@@ -1,0 +1,598 @@
+"""Data-parallel step time: Lightning's ``ddp`` (eager), ``ddp`` + ``torch.compile`` and ``sgdtp``, interleaved.
+
+    python benchmarks/dp_throughput.py                        # default: mlp,gpt; 3 rounds (~10 min, 2 cores)
+    python benchmarks/dp_throughput.py --quick                # ~2-minute smoke (1 round, few steps)
+    python benchmarks/dp_throughput.py --workloads mlp --rounds 5 --steps 40
+    python benchmarks/dp_throughput.py --workloads mlp --sweep-buckets   # + bucket_cap_mb 4/100, overlap, bf16
+
+Every run is what a user gets: ``Trainer(accelerator="cpu", devices=2, strategy=...)``, 2 gloo ranks, one
+thread each (``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``). Each (workload, variant) of each round
+is one subprocess (``--worker``); Lightning's launcher re-runs that same command line for rank 1. A worker
+fits the model twice in the same processes: once as configured ("step") and once with gradient
+communication switched off ("floor": the same variant's compute, see ``benchmarks/README.md``); the order of
+the two alternates between rounds. Rank 0 times every batch with a Callback (``on_train_batch_start`` ->
+``on_train_batch_end``, ``time.perf_counter``, no barriers), drops the warm-up (compile) steps and writes
+the per-step times to ``--out``. The driver rotates the variant order every round, aggregates medians over
+rounds and prints a table followed, LAST, by one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).resolve()
+
+# variant -> (strategy kind, torch.compile the LightningModule's inner network (default Inductor), SGDTPStrategy kwargs).
+# sgdtp gets the plain module: the strategy compiles the training step itself (and refuses a compiled module).
+VARIANTS: dict[str, tuple[str, bool, dict[str, Any]]] = {
+    "ddp": ("ddp", False, {}),
+    "ddp+compile": ("ddp", True, {}),
+    "sgdtp": ("sgdtp", False, {}),
+    # --sweep-buckets extras (MLP): bucket size and overlap scheduling
+    "sgdtp(bucket=4MiB)": ("sgdtp", False, {"bucket_cap_mb": 4}),
+    "sgdtp(bucket=100MiB)": ("sgdtp", False, {"bucket_cap_mb": 100}),
+    "sgdtp(overlap=False)": ("sgdtp", False, {"overlap": False}),
+    "sgdtp(bf16 wire)": ("sgdtp", False, {"grad_comm_dtype": "bf16"}),
+}
+MAIN_VARIANTS = ["ddp", "ddp+compile", "sgdtp"]
+SWEEP_VARIANTS = ["sgdtp(bucket=4MiB)", "sgdtp(bucket=100MiB)", "sgdtp(overlap=False)", "sgdtp(bf16 wire)"]
+# With sync off, bucket size, overlap and wire dtype change nothing that is computed: the sweep variants share
+# sgdtp's floor (measured in the same round).
+FLOOR_OF = {v: "sgdtp" for v in SWEEP_VARIANTS}
+WORKLOADS = ("mlp", "gpt")
+QUIET = 0.10  # other processes using more than this fraction of the CPUs: the machine is busy
+TARGET = {"workload": "mlp", "ratio_to_ddp": 0.80, "stretch_ratio_to_ddp": 0.65, "exposed_comm_fraction": 0.25}
+
+
+# ------------------------------------------------------------------------------------------------ worker
+def _worker(
+    workload: str, variant: str, out: Path, steps: int, warmup: int, phases: list[str], profile_to: Path | None
+) -> None:
+    """One (workload, variant): fit once per phase ("sync" and/or "nosync") in these 2 processes."""
+    import lightning.pytorch as L
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from lightning.pytorch.callbacks import Callback
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.set_num_threads(1)
+    kind, compiled, sgdtp_kwargs = VARIANTS[variant]
+    batch = 32  # per rank, both workloads
+    total = warmup + steps
+
+    class MLPModule(L.LightningModule):
+        """512 -> 4x2048 -> 10 with ReLU: 13.7M parameters, ~0.1 GFLOP of compute per MB of gradient."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            dims = [512, 2048, 2048, 2048, 2048, 10]
+            layers: list[nn.Module] = []
+            for i, (a, b) in enumerate(itertools.pairwise(dims)):
+                layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(dims) - 2 else [])
+            self.net = nn.Sequential(*layers)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9)
+
+    def make(seed: int) -> tuple[L.LightningModule, DataLoader]:
+        L.seed_everything(seed, verbose=False)
+        g = torch.Generator().manual_seed(seed)
+        n = 2 * batch * total  # one epoch covers the run on both ranks (no epoch boundary inside)
+        if workload == "mlp":
+            model: L.LightningModule = MLPModule()
+            data = TensorDataset(torch.randn(n, 512, generator=g), torch.randint(0, 10, (n,), generator=g))
+        else:
+            sys.path.insert(0, str(REPO / "examples"))
+            from gpt import GPTLightningModule  # the example's defaults: train_gpt.py's GPT (4x128, block 128)
+
+            model = GPTLightningModule(lr=2e-3)
+            x = torch.randint(0, 256, (n, 128), generator=g)
+            data = TensorDataset(x, torch.roll(x, -1, dims=1))
+        return model, DataLoader(data, batch_size=batch, shuffle=False, drop_last=True)
+
+    class StepTimer(Callback):
+        """Wall time of each batch and of each loop iteration; no barriers. Only rank 0's times are written."""
+
+        def __init__(self, sync: bool, profile_to: Path | None) -> None:
+            self.sync = sync
+            self.batch: list[float] = []
+            self.period: list[float] = []
+            self._t0: float | None = None
+            self.profile_to = profile_to
+            self._prof: Any = None
+            self.ddp_buckets: list[int] = []
+
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            if not self.sync:
+                _switch_off_grad_sync(trainer.strategy)
+
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            if self.profile_to is not None and len(self.batch) == warmup:
+                self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self._prof.__enter__()
+            now = time.perf_counter()
+            if self._t0 is not None:
+                self.period.append(now - self._t0)
+            self._t0 = now
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            assert self._t0 is not None
+            self.batch.append(time.perf_counter() - self._t0)
+
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            ddp = trainer.strategy.model
+            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+                info = ddp._get_ddp_logging_data()  # DDP's own record of its (rebuilt) buckets, in bytes
+                sizes = info.get("rebuilt_bucket_sizes") or info.get("bucket_sizes") or ""
+                self.ddp_buckets = [int(x) for x in str(sizes).split(",") if x.strip()]
+            if self._prof is None or self.profile_to is None:
+                return
+            self._prof.__exit__(None, None, None)
+            stem = f"{workload}-{variant}-{'step' if self.sync else 'floor'}-rank{trainer.global_rank}"
+            self.profile_to.mkdir(parents=True, exist_ok=True)
+            table = self._prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
+            (self.profile_to / f"{stem}.txt").write_text(f"{len(self.batch) - warmup} steps\n{table}")
+            self._prof.export_chrome_trace(str(self.profile_to / f"{stem}.trace.json"))
+
+    def _switch_off_grad_sync(strategy: Any) -> None:
+        if kind == "ddp":
+            # What DDP's no_sync() does, for the whole run: the reducer's hooks stay, no bucket is all-reduced.
+            strategy.model.require_backward_grad_sync = False
+        else:
+            # The compiler's switch for gradient accumulation: graphs compiled without collectives (the first
+            # step compiles after this hook). The ledger (sgdtp's after-backward fallback, and its per-step
+            # agreement all-reduce) made a no-op: the same compiled step, and its graph walk, without communication.
+            from lightning_sgdtp.ledger import BackwardRecord
+
+            strategy._compiler.in_graph_sync = False
+            strategy.ledger.agree = lambda *args, **kwargs: BackwardRecord()
+            strategy.ledger.sync = lambda *args, **kwargs: []
+            strategy.ledger.uncovered = lambda *args, **kwargs: []
+
+    def comm_alone_ms(buckets: list[tuple[int, torch.dtype]], reps: int = 10) -> float | None:
+        """All-reduce this step's buckets (bytes, dtype) back to back, both ranks otherwise idle."""
+        if not buckets:
+            return None
+        bufs = [torch.ones(nbytes // dtype.itemsize, dtype=dtype) for nbytes, dtype in buckets]
+        times = []
+        for _ in range(reps + 2):
+            dist.barrier()
+            t = time.perf_counter()
+            for work in [dist.all_reduce(b, async_op=True) for b in bufs]:
+                work.wait()
+            times.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(times[2:])
+
+    result: dict[str, Any] = {"workload": workload, "variant": variant, "steps": steps, "warmup": warmup}
+    for phase in phases:
+        sync = phase == "sync"
+        model, loader = make(seed=1234)
+        result.setdefault("params", sum(p.numel() for p in model.parameters()))
+        if kind == "ddp":
+            strategy: Any = "ddp"
+        else:
+            from lightning_sgdtp import SGDTPStrategy
+
+            strategy = SGDTPStrategy(**sgdtp_kwargs)
+        timer = StepTimer(sync, profile_to)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=total,
+            callbacks=[timer],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            default_root_dir=str(out.parent / f"{out.stem}-{phase}"),
+        )
+        t0 = time.perf_counter()
+        if compiled:
+            # torch.compile the inner network (default Inductor). Two ways that look equivalent do not work here:
+            # trainer.fit(torch.compile(lightning_module)) also compiles training_step, and Dynamo then fails in
+            # the GPT's self.log(...); nn.Sequential(...).compile() (in place) compiles nothing in torch 2.13
+            # (its forward lives in torch.nn, which Dynamo skips as a top-level frame). See README.
+            if workload == "mlp":
+                model.net = torch.compile(model.net)
+            else:
+                model.model = torch.compile(model.model)
+        frames_before = _frames_compiled()
+        trainer.fit(model, loader)
+        fit_s = time.perf_counter() - t0
+        frames = _frames_compiled() - frames_before
+        # Proof of what was measured: replicas agree after a synced run and diverge after a floor run.
+        checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+        sums: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(sums, checksum)
+        entry: dict[str, Any] = {
+            "batch_s": timer.batch[warmup:],
+            "period_s": timer.period[warmup:],
+            "warmup_s": timer.batch[:warmup],
+            "fit_s": fit_s,
+            "replicas_equal": max(sums) - min(sums) <= 1e-9 * max(1.0, abs(max(sums))),
+            "frames_compiled": frames,
+        }
+        if kind == "sgdtp":
+            plan = strategy.plan
+            entry["plan"] = {
+                "graphs": [
+                    {
+                        "graph_id": g["graph_id"],
+                        "buckets": len(g["buckets"]),
+                        "bucket_bytes": [b["wire_bytes"] for b in g["buckets"]],
+                        "wire_bytes": g["wire_bytes"],
+                    }
+                    for g in plan["graphs"]
+                ],
+                "bytes_per_step": plan["bytes_per_step"],
+                "graph_breaks": plan["graph_breaks"],
+                "config": {k: plan["config"][k] for k in ("bucket_cap_mb", "overlap", "grad_comm_dtype")},
+            }
+            buckets = [(b["wire_bytes"], getattr(torch, b["wire_dtype"])) for g in plan["graphs"] for b in g["buckets"]]
+        else:
+            entry["ddp_bucket_bytes"] = timer.ddp_buckets
+            buckets = [(n, torch.float32) for n in timer.ddp_buckets]
+        if sync:
+            entry["comm_alone_ms"] = comm_alone_ms(buckets)
+        result[phase] = entry
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _frames_compiled() -> int:
+    """How many frames Dynamo has compiled in this process so far (proof that a compiled variant compiled)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return len(compilation_time_metrics.get("_compile.compile_inner", []))
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_worker(
+    workload: str,
+    variant: str,
+    phases: list[str],
+    steps: int,
+    warmup: int,
+    tmp: Path,
+    tag: str,
+    timeout: float,
+    profile_to: Path | None = None,
+    wait_quiet: float = 0.0,
+) -> dict[str, Any]:
+    out = tmp / f"{tag}.json"
+    log = tmp / f"{tag}.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
+    )
+    cmd = [sys.executable, str(SCRIPT), "--worker", workload, variant, "--out", str(out)]
+    cmd += ["--steps", str(steps), "--warmup", str(warmup), "--phases", ",".join(phases)]
+    if profile_to is not None:
+        cmd += ["--profile", str(profile_to.resolve())]
+    load_before = _cpu_busy()  # before our ranks start: what else runs on this machine
+    deadline = time.monotonic() + wait_quiet
+    while load_before > QUIET and time.monotonic() < deadline:
+        load_before = _cpu_busy(2.0)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            try:  # reap the whole session: rank 1 (Lightning's child) and any compile workers
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    if rc != 0 or not out.exists():
+        why = f"timed out after {timeout:.0f}s" if rc is None else f"exit code {rc}"
+        tail = log.read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"worker {workload} {variant} ({','.join(phases)}) failed: {why}\n{tail}")
+    result = json.loads(out.read_text())
+    result["load_before"] = load_before
+    return result
+
+
+def _median_ms(values: list[float]) -> float | None:
+    return 1e3 * statistics.median(values) if values else None
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def main_driver(args: argparse.Namespace) -> int:
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad:
+        raise SystemExit(f"unknown workload(s) {bad}; choose from {list(WORKLOADS)}")
+    if args.quick:
+        args.rounds = args.rounds or 1
+        args.warmup = args.warmup or 3
+    rounds = args.rounds or 3
+    warmup = args.warmup or 5
+
+    def steps_for(w: str) -> int:  # timed steps per run; GPT steps are ~10x longer than MLP steps
+        if args.steps:
+            return args.steps
+        return {"mlp": 12, "gpt": 4}[w] if args.quick else {"mlp": 40, "gpt": 10}[w]
+
+    plan_list: list[tuple[str, str, bool]] = []  # (workload, variant, with floor)
+    for w in workloads:
+        plan_list += [(w, v, True) for v in MAIN_VARIANTS]
+        if args.sweep_buckets and w == "mlp":
+            plan_list += [(w, v, False) for v in SWEEP_VARIANTS]
+
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    loads: list[float] = []
+    failures: list[str] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="dp_throughput-") as tmpdir:
+        tmp = Path(tmpdir)
+        for r in range(rounds):
+            for w in workloads:
+                todo = [(v, floor) for (ww, v, floor) in plan_list if ww == w]
+                k = r % len(todo)
+                for v, floor in todo[k:] + todo[:k]:  # rotate who goes first: position effects spread over all
+                    phases = ["sync", "nosync"] if floor else ["sync"]
+                    if r % 2:
+                        phases.reverse()
+                    t0 = time.perf_counter()
+                    tag = f"r{r}-{w}-{len(loads)}"
+                    try:
+                        res = _run_worker(
+                            w, v, phases, steps_for(w), warmup, tmp, tag, args.timeout, args.profile, args.wait_quiet
+                        )
+                    except RuntimeError as err:  # report, keep going: the other runs still mean something
+                        failures.append(f"round {r + 1} {w} {v}: {str(err).splitlines()[0]}")
+                        print(f"[round {r + 1}/{rounds}] FAILED: {err}", file=sys.stderr, flush=True)
+                        continue
+                    runs.setdefault((w, v), []).append(res)
+                    loads.append(res["load_before"])
+                    step = _median_ms(res["sync"]["batch_s"])
+                    floor_ms = _median_ms(res["nosync"]["batch_s"]) if floor else None
+                    print(
+                        f"[round {r + 1}/{rounds}] {w:4s} {v:21s} step {_fmt(step, '8.1f')} ms  floor"
+                        f" {_fmt(floor_ms, '8.1f')} ms  ({time.perf_counter() - t0:5.1f}s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+
+    rows = []
+    for w in workloads:
+        base = None
+        for ww, v, _ in plan_list:
+            if ww != w:
+                continue
+            rs = runs.get((w, v), [])
+            floor_rs = runs.get((w, FLOOR_OF.get(v, v)), [])
+            if not rs or not floor_rs:
+                continue  # every run of it (or of its floor) failed: listed under "failures"
+            step_rounds = [_median_ms(r["sync"]["batch_s"]) for r in rs]
+            floor_rounds = [_median_ms(r["nosync"]["batch_s"]) for r in floor_rs]
+            comm_rounds = [r["sync"]["comm_alone_ms"] for r in rs if r["sync"].get("comm_alone_ms") is not None]
+            step = statistics.median(step_rounds)
+            floor = statistics.median(floor_rounds)
+            comm = statistics.median(comm_rounds) if comm_rounds else None
+            if v == "ddp":
+                base = step
+            row: dict[str, Any] = {
+                "workload": w,
+                "variant": v,
+                "params": rs[0]["params"],
+                "ms_per_step": round(step, 2),
+                "floor_ms": round(floor, 2),
+                "floor_of": FLOOR_OF.get(v, v),
+                "ratio_to_ddp": round(step / base, 3) if base else None,
+                "exposed_comm_fraction": round((step - floor) / step, 3),
+                "comm_alone_ms": round(comm, 2) if comm is not None else None,
+                "comm_hidden_fraction": round((floor + comm - step) / comm, 3) if comm else None,
+                "period_ms": round(statistics.median([_median_ms(r["sync"]["period_s"]) for r in rs]), 2),
+                "round_ms": [round(x, 2) for x in step_rounds],
+                "floor_round_ms": [round(x, 2) for x in floor_rounds],
+                "replicas_equal": [r["sync"]["replicas_equal"] for r in rs],
+                "floor_replicas_equal": [r["nosync"]["replicas_equal"] for r in floor_rs],
+                "frames_compiled": max(
+                    r[ph].get("frames_compiled", 0) for r in rs for ph in ("sync", "nosync") if ph in r
+                ),
+            }
+            if VARIANTS[v][0] == "sgdtp":
+                plan = rs[0]["sync"]["plan"]
+                row["graphs"] = len(plan["graphs"])
+                row["buckets"] = sum(g["buckets"] for g in plan["graphs"])
+                row["bucket_bytes"] = [n for g in plan["graphs"] for n in g["bucket_bytes"]]
+                row["bytes_per_step"] = plan["bytes_per_step"]
+                row["graph_breaks"] = sum(plan["graph_breaks"].values())
+            else:
+                row["bucket_bytes"] = rs[0]["sync"]["ddp_bucket_bytes"]
+            rows.append(row)
+
+    header = (
+        f"{'workload':8s} {'variant':21s} {'ms/step':>8s} {'floor':>7s} {'comm':>6s} {'x ddp':>6s} {'exposed':>8s}"
+        f" {'hidden':>7s}  {'rounds ms/step':16s} buckets (MiB)"
+    )
+    print(header)
+    print("-" * (len(header) + 12))
+    for row in rows:
+        spread = "/".join(f"{x:.0f}" for x in row["round_ms"])
+        buckets = "+".join(f"{n / 2**20:.0f}" for n in row["bucket_bytes"])
+        if "graphs" in row:
+            buckets += f" in {row['graphs']} graph(s), {row['bytes_per_step']['total'] / 2**20:.1f} MiB/step"
+        hidden = row["comm_hidden_fraction"]
+        print(
+            f"{row['workload']:8s} {row['variant']:21s} {row['ms_per_step']:8.1f} {row['floor_ms']:7.1f}"
+            f" {_fmt(row['comm_alone_ms'], '6.1f')} {_fmt(row['ratio_to_ddp'], '6.2f')}"
+            f" {100 * row['exposed_comm_fraction']:7.1f}% {_fmt(None if hidden is None else 100 * hidden, '6.0f')}%"
+            f"  {spread:16s} {buckets}"
+        )
+    sync_ok = all(all(r["replicas_equal"]) for r in rows) if rows else None
+    floor_off = all(not any(r["floor_replicas_equal"]) for r in rows) if rows else None
+    compiled_ok = all((r["frames_compiled"] > 0) == (r["variant"] != "ddp") for r in rows) if rows else None
+    busy = statistics.median(loads) if loads else 0.0
+    print(
+        "\nms/step: median over rounds of the per-run median batch time (rank 0, warm-up dropped). floor: the same"
+        " variant, gradient communication off. comm: this variant's buckets all-reduced alone (ranks idle)."
+        "\nx ddp = ms/step / ddp's; exposed = (ms/step - floor) / ms/step; hidden = (floor + comm - ms/step) / comm"
+        " (100%: communication fully overlapped, 0%: fully serialized)."
+        f"\nChecks: replicas identical after every synced run: {sync_ok}; replicas diverged after every floor run:"
+        f" {floor_off}; Dynamo compiled frames in every compiled variant and none in ddp: {compiled_ok}. Other processes used {100 * busy:.0f}% (median; max {100 * max(loads, default=0.0):.0f}%) of the CPUs"
+        f" just before each run{' -- BUSY MACHINE: times are inflated and noisy' if busy > QUIET else ''}."
+        f" Total {time.perf_counter() - started:.0f}s."
+    )
+    mlp = {r["variant"]: r for r in rows if r["workload"] == "mlp"}
+    verdict = None
+    if "sgdtp" in mlp and mlp["sgdtp"]["ratio_to_ddp"] is not None:
+        s = mlp["sgdtp"]
+        verdict = {
+            "ratio_met": s["ratio_to_ddp"] <= TARGET["ratio_to_ddp"],
+            "stretch_met": s["ratio_to_ddp"] <= TARGET["stretch_ratio_to_ddp"],
+            "exposed_met": s["exposed_comm_fraction"] <= TARGET["exposed_comm_fraction"],
+        }
+    summary = {
+        "benchmark": "dp_throughput",
+        "config": {
+            "ranks": 2,
+            "backend": "gloo",
+            "threads_per_rank": 1,
+            "batch_per_rank": 32,
+            "rounds": rounds,
+            "warmup_steps": warmup,
+            "timed_steps": {w: steps_for(w) for w in workloads},
+            "cpu_count": os.cpu_count(),
+            "torch": _version("torch"),
+            "lightning": _version("lightning"),
+            "lightning_sgdtp": _version("lightning-sgdtp"),
+            "plugin_commit": _git_commit(),
+        },
+        "other_cpu_busy": {"median": round(busy, 3), "max": round(max(loads, default=0.0), 3)},
+        "results": rows,
+        "target": TARGET,
+        "target_met": verdict,
+        "checks": {
+            "replicas_equal_after_sync": sync_ok,
+            "replicas_diverged_without_sync": floor_off,
+            "compiled_variants_compiled": compiled_ok,
+        },
+        "failures": failures,
+    }
+    for failure in failures:
+        print(f"FAILED: {failure}")
+    print(json.dumps(summary, separators=(",", ":")))
+    return 1 if failures else 0
+
+
+def _version(dist_name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist_name)
+    except PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    """The commit of this checkout (``+dirty`` when lightning_sgdtp/ has uncommitted changes)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, check=False)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "lightning_sgdtp"], cwd=REPO, capture_output=True, check=False
+        )
+    except OSError:
+        return None
+    return (head.stdout.decode().strip() + ("+dirty" if dirty.stdout.strip() else "")) or None
+
+
+def _cpu_busy(seconds: float = 1.0) -> float:
+    """Fraction of all CPUs busy over the next ``seconds`` (Linux /proc/stat; 0.0 elsewhere)."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields[:8]), fields[3] + fields[4]  # total, idle + iowait
+
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, 1.0 - (i1 - i0) / max(1, t1 - t0))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default="mlp,gpt", help="comma-separated subset of: mlp,gpt")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; --quick: 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default mlp 40, gpt 10)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed first steps per run, compile included (5)")
+    p.add_argument("--quick", action="store_true", help="~2-minute smoke: 1 round, few steps")
+    p.add_argument(
+        "--sweep-buckets",
+        action="store_true",
+        help="MLP extras: sgdtp with bucket_cap_mb 4 and 100, overlap=False, bf16 wire",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="write torch.profiler tables and traces of the timed steps (each rank) to this folder; slows steps",
+    )
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each run, wait up to this long for other processes to leave the CPUs idle (shared machines)",
+    )
+    p.add_argument("--timeout", type=float, default=600, help="hard limit per worker, seconds")
+    # internal: one (workload, variant) run, started by the driver (and re-run by Lightning for rank 1)
+    p.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--phases", default="sync,nosync", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    if args.worker:
+        workload, variant = args.worker
+        _worker(workload, variant, args.out, args.steps, args.warmup, args.phases.split(","), args.profile)
+        sys.exit(0)
+    sys.exit(main_driver(args))
