@@ -12,7 +12,7 @@ fits the model twice in the same processes: once as configured ("step") and once
 communication switched off ("floor": the same variant's compute, see ``benchmarks/README.md``); the order of
 the two alternates between rounds. Rank 0 times every batch with a Callback (``on_train_batch_start`` ->
 ``on_train_batch_end``, ``time.perf_counter``, no barriers), drops the warm-up (compile) steps and writes
-the per-step times to ``--out``. The driver rotates the variant order every round, aggregates medians over
+the per-step times to ``--out``. The driver shuffles the variant order every round (seeded), aggregates medians over
 rounds and prints a table followed, LAST, by one JSON line with every figure.
 """
 
@@ -22,6 +22,7 @@ import argparse
 import itertools
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -123,6 +124,8 @@ def _worker(
             self.profile_to = profile_to
             self._prof: Any = None
             self.ddp_buckets: list[int] = []
+            self.faults: list[int] = []  # minor page faults of this process during each batch
+            self._faults0 = 0
 
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             if not self.sync:
@@ -132,6 +135,7 @@ def _worker(
             if self.profile_to is not None and len(self.batch) == warmup:
                 self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
                 self._prof.__enter__()
+            self._faults0 = _minor_faults()
             now = time.perf_counter()
             if self._t0 is not None:
                 self.period.append(now - self._t0)
@@ -140,6 +144,7 @@ def _worker(
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             assert self._t0 is not None
             self.batch.append(time.perf_counter() - self._t0)
+            self.faults.append(_minor_faults() - self._faults0)
 
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             ddp = trainer.strategy.model
@@ -236,6 +241,7 @@ def _worker(
             "fit_s": fit_s,
             "replicas_equal": max(sums) - min(sums) <= 1e-9 * max(1.0, abs(max(sums))),
             "frames_compiled": frames,
+            "page_faults": timer.faults[warmup:],
         }
         if kind == "sgdtp":
             plan = strategy.plan
@@ -264,6 +270,13 @@ def _worker(
         out.write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (first touches of freshly mapped memory)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _frames_compiled() -> int:
@@ -370,8 +383,10 @@ def main_driver(args: argparse.Namespace) -> int:
         for r in range(rounds):
             for w in workloads:
                 todo = [(v, floor) for (ww, v, floor) in plan_list if ww == w]
-                k = r % len(todo)
-                for v, floor in todo[k:] + todo[:k]:  # rotate who goes first: position effects spread over all
+                # A new (seeded) order every round: who goes first, and who runs right after whom (a run can
+                # leave the machine in a state that slows the next one), are spread over all variants.
+                order = todo if r == 0 else random.Random(r).sample(todo, len(todo))
+                for v, floor in order:
                     phases = ["sync", "nosync"] if floor else ["sync"]
                     if r % 2:
                         phases.reverse()
@@ -426,6 +441,11 @@ def main_driver(args: argparse.Namespace) -> int:
                 "comm_alone_ms": round(comm, 2) if comm is not None else None,
                 "comm_hidden_fraction": round((floor + comm - step) / comm, 3) if comm else None,
                 "period_ms": round(statistics.median([_median_ms(r["sync"]["period_s"]) for r in rs]), 2),
+                "floor_period_ms": round(statistics.median([_median_ms(r["nosync"]["period_s"]) for r in floor_rs]), 2),
+                "page_faults_per_step": statistics.median([statistics.median(r["sync"]["page_faults"]) for r in rs]),
+                "floor_page_faults_per_step": statistics.median(
+                    [statistics.median(r["nosync"]["page_faults"]) for r in floor_rs]
+                ),
                 "round_ms": [round(x, 2) for x in step_rounds],
                 "floor_round_ms": [round(x, 2) for x in floor_rounds],
                 "replicas_equal": [r["sync"]["replicas_equal"] for r in rs],
@@ -453,7 +473,7 @@ def main_driver(args: argparse.Namespace) -> int:
     print("-" * (len(header) + 12))
     for row in rows:
         spread = "/".join(f"{x:.0f}" for x in row["round_ms"])
-        buckets = "+".join(f"{n / 2**20:.0f}" for n in row["bucket_bytes"])
+        buckets = "+".join(f"{n / 2**20:.3g}" for n in row["bucket_bytes"])
         if "graphs" in row:
             buckets += f" in {row['graphs']} graph(s), {row['bytes_per_step']['total'] / 2**20:.1f} MiB/step"
         hidden = row["comm_hidden_fraction"]
