@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,8 +29,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from lightning_sgdtp.compiler.buckets import GraphPlan, insert_bucketed_allreduce
 from lightning_sgdtp.config import SGDTPConfig
-
-log = logging.getLogger("lightning_sgdtp")
 
 PLAN_VERSION = "sgdtp-grad-buckets-v1"
 OVERLAP_PASSES = ["reorder_communication_preserving_peak_memory", "sink_waits_iterative"]
