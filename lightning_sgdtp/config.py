@@ -40,7 +40,10 @@ class SGDTPConfig:
             keeping its activations. Applied per block, before compile.
         broadcast_buffers: Broadcast module buffers (e.g. BatchNorm statistics) from rank 0 before each
             training step, like DDP.
-        collective_timeout: Seconds a collective may wait before the job fails (process-group timeout).
+        collective_timeout: Seconds a collective may wait before the job fails (process-group timeout). It also
+            bounds how long the job takes to end when a rank dies, raises or hangs (see ``docs/faults.md``).
+        rendezvous_timeout: Seconds the ranks may take to meet at ``MASTER_ADDR:MASTER_PORT`` when the job
+            starts; then the job fails with an error that names the address and port.
         pipeline_chunks, pipeline_stages, tensor_parallel_size: reserved; raise until they land.
     """
 
@@ -51,6 +54,7 @@ class SGDTPConfig:
     activation_checkpointing: bool = False
     broadcast_buffers: bool = True
     collective_timeout: float = 1800.0
+    rendezvous_timeout: float = 300.0
     pipeline_chunks: int | None = None
     pipeline_stages: int | None = None
     tensor_parallel_size: Any | None = None
@@ -87,11 +91,10 @@ class SGDTPConfig:
         for name in ("overlap", "activation_checkpointing", "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise SGDTPConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
-        timeout = self.collective_timeout
-        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise SGDTPConfigError(
-                f"collective_timeout={self.collective_timeout!r} must be a positive number of seconds, e.g. 600."
-            )
+        for name in ("collective_timeout", "rendezvous_timeout"):
+            timeout = getattr(self, name)
+            if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
+                raise SGDTPConfigError(f"{name}={timeout!r} must be a positive number of seconds, e.g. 600.")
 
     @property
     def bucket_cap_bytes(self) -> int:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchChec
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
@@ -50,9 +49,11 @@ from torch.distributed.utils import _sync_module_states, _sync_params_and_buffer
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sgdtp import rendezvous
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
 from lightning_sgdtp.compiler.buckets import GraphPlan
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.faults import Liveness, RankLostError, is_distributed_error
 from lightning_sgdtp.ledger import BackwardRecord, GradLedger, walk_autograd_graph
 from lightning_sgdtp.parallel.checkpointing import (
     apply_activation_checkpointing,
@@ -112,6 +113,7 @@ class SGDTPStrategy(ParallelStrategy):
         activation_checkpointing: bool | None = None,
         broadcast_buffers: bool | None = None,
         collective_timeout: float | None = None,
+        rendezvous_timeout: float | None = None,
         pipeline_chunks: int | None = None,
         pipeline_stages: int | None = None,
         tensor_parallel_size: Any | None = None,
@@ -131,6 +133,7 @@ class SGDTPStrategy(ParallelStrategy):
             "activation_checkpointing": activation_checkpointing,
             "broadcast_buffers": broadcast_buffers,
             "collective_timeout": collective_timeout,
+            "rendezvous_timeout": rendezvous_timeout,
             "pipeline_chunks": pipeline_chunks,
             "pipeline_stages": pipeline_stages,
             "tensor_parallel_size": tensor_parallel_size,
@@ -163,6 +166,7 @@ class SGDTPStrategy(ParallelStrategy):
         self._plan_dir: Path | None = None
         self._fallback_params: list[str] = []
         self._compiled_for: tuple[int, bool] | None = None
+        self._liveness: Liveness | None = None
 
     # ----------------------------------------------------------------------------------------- properties
     @property
@@ -264,8 +268,9 @@ class SGDTPStrategy(ParallelStrategy):
                 " broadcast from rank 0 each step, as broadcast_buffers=True), or use strategy='ddp'."
             )
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        # Always, as DDPStrategy: with processes started by SLURM or torchrun the launcher starts nothing, but it
+        # checks devices / num_nodes against the launcher's tasks before anything else happens.
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _check_precision(self) -> None:
         plugin = self.precision_plugin
@@ -283,13 +288,39 @@ class SGDTPStrategy(ParallelStrategy):
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
-        assert self.cluster_environment is not None
-        _init_dist_connection(
-            self.cluster_environment,
+        env = self.cluster_environment
+        assert env is not None
+        expected = self.num_nodes * self.num_processes
+        if env.world_size() != expected:
+            raise SGDTPConfigError(
+                f"the launcher ({type(env).__name__}) started {env.world_size()} processes, but Trainer(devices="
+                f"{self.num_processes}, num_nodes={self.num_nodes}) asks for {expected}. Make devices x num_nodes"
+                " equal the launcher's total tasks (SLURM: --nodes x --ntasks-per-node; torchrun: --nnodes x"
+                " --nproc-per-node)."
+            )
+        if dist.is_initialized():
+            return
+        log.info(
+            f"Initializing distributed: GLOBAL_RANK: {self.global_rank}, MEMBER: {self.global_rank + 1}/{expected}"
+        )
+        rendezvous.init_process_group(
+            env.main_address,
+            env.main_port,
+            self.global_rank,
+            expected,
             self._process_group_backend,
-            timeout=timedelta(seconds=self._config.collective_timeout),
+            collective_timeout=self._config.collective_timeout,
+            rendezvous_timeout=self._config.rendezvous_timeout,
             device_id=self.root_device if self.root_device.type != "cpu" else None,
         )
+        if expected > 1:
+            # One key per job run: heartbeats of an earlier attempt (torchrun restarts reuse the store) never count.
+            key = [uuid.uuid4().hex]
+            dist.broadcast_object_list(key, src=0)
+            self._liveness = Liveness(
+                env.main_address, env.main_port, self.global_rank, expected, key[0], self._config.collective_timeout
+            )
+            self._liveness.start()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -373,10 +404,11 @@ class SGDTPStrategy(ParallelStrategy):
     # --------------------------------------------------------------------------------------------- steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._config.broadcast_buffers:
-            self._broadcast_buffers()
-        with self.precision_plugin.train_step_context():
-            return self._compiled("training_step")(*args, **kwargs)
+        with self._guard("training_step"):
+            if self._config.broadcast_buffers:
+                self._broadcast_buffers()
+            with self.precision_plugin.train_step_context():
+                return self._compiled("training_step")(*args, **kwargs)
 
     def _broadcast_buffers(self) -> None:
         assert self.lightning_module is not None
@@ -390,10 +422,11 @@ class SGDTPStrategy(ParallelStrategy):
         # precision plugin's post_backward runs `on_after_backward`: hooks see averaged gradients, as with DDP.
         module = self.lightning_module
         assert module is not None
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        self._sync_after_backward()
+        with self._guard("backward"):
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            self._sync_after_backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -436,7 +469,8 @@ class SGDTPStrategy(ParallelStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        with self._guard("optimizer_step"):
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._ledger is not None:
             self._ledger.end_step()
             stepped = [p for group in optimizer.param_groups for p in group["params"]]
@@ -501,24 +535,54 @@ class SGDTPStrategy(ParallelStrategy):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with self._guard(f"barrier {args[0] if args else ''}".strip()):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        with self._guard("broadcast"):
+            dist.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with self._guard("reduce"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    # ------------------------------------------------------------------------------------------- faults
+    @contextmanager
+    def _guard(self, phase: str) -> Generator[None, None, None]:
+        """Name the phase for the heartbeat; turn a failed collective into an error that names the lost rank."""
+        live = self._liveness
+        if live is None:
+            yield
+            return
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        live.phase, live.step = f"in {phase}", trainer.global_step if trainer is not None else -1
+        try:
+            yield
+        except Exception as exc:
+            if isinstance(exc, RankLostError) or not is_distributed_error(exc):
+                raise
+            lost = live.diagnose(exc)
+            if lost is None:
+                raise
+            live.report(lost, primary=False)
+            raise lost from exc
+        live.phase = f"after {phase}"
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._liveness is not None:
+            self._liveness.report(exception, primary=not isinstance(exception, RankLostError))
 
     def _release_ledger(self) -> None:
         if self._ledger is not None:
@@ -526,6 +590,9 @@ class SGDTPStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._liveness is not None:
+            self._liveness.close()
+            self._liveness = None
         self._compiled_steps.clear()
         if self.lightning_module is not None:
             for owner, hook in _bookkeeping_hooks(self.lightning_module, installed=True):

@@ -1,0 +1,270 @@
+"""Bounded failure: when a rank dies, raises or hangs, every other rank ends with an error that names it.
+
+``torch.distributed`` detects the failure: gloo and NCCL raise when a peer's connection closes, or after the
+process-group timeout (``collective_timeout``). What they cannot say is *which* rank is to blame, and a rank
+that is stuck outside any collective never learns that the job is over. Both are this module's job, built on
+the job's own c10d ``TCPStore`` (the rendezvous store):
+
+- every rank runs a heartbeat thread that writes ``(sequence, phase, step)`` to the store each ``interval``;
+- a rank that fails reports its error to the store (``report``);
+- when a collective fails, :meth:`Liveness.diagnose` reads the peers' heartbeats and reports and names the
+  ranks that *failed* (reported an error), were *lost* (no heartbeat and no report: killed, out of memory, node
+  down) or are *stuck* (alive, but not in the collective);
+- a rank whose peers have reported a failure ends itself after a grace period, as NCCL's watchdog does, so
+  that no process of a dead job is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+log = logging.getLogger("lightning.pytorch.sgdtp")
+
+# What a store operation raises when the store's host is gone (DistError and DistNetworkError are RuntimeErrors).
+_STORE_ERRORS = (RuntimeError, OSError, ValueError)
+
+
+class RankLostError(RuntimeError):
+    """Another rank of the job failed, was lost or is stuck; this rank stops too. The message names it."""
+
+
+@dataclass(frozen=True)
+class PeerState:
+    rank: int
+    host: str = "?"
+    pid: int = -1
+    seq: int = -1
+    phase: str = "starting"
+    step: int = -1
+    failure: str | None = None
+    primary: bool = True
+    done: bool = False
+
+    def where(self) -> str:
+        return f"{self.phase} at step {self.step}" if self.step >= 0 else self.phase
+
+    def position(self) -> tuple[str, int]:
+        return self.phase, self.step
+
+    def who(self) -> str:
+        return f"rank {self.rank} (host {self.host}, pid {self.pid})"
+
+
+def is_distributed_error(exc: BaseException) -> bool:
+    """A collective or the store failed (as opposed to an error in this rank's own code)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in ("gloo", "NCCL", "c10d", "ProcessGroup"))
+
+
+class Liveness:
+    """Heartbeats, failure reports and the watchdog for one rank. See the module docstring."""
+
+    def __init__(
+        self, host: str, port: int, rank: int, world_size: int, job_key: str, collective_timeout: float
+    ) -> None:
+        self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
+        self.prefix = f"sgdtp/liveness/{job_key}"
+        self.collective_timeout = collective_timeout
+        self.interval = max(0.2, min(1.0, collective_timeout / 4))
+        # A rank whose peers reported a failure has this long to fail on its own (with its own, better, message).
+        self.grace = min(collective_timeout, 60.0) + 2 * self.interval
+        self.phase = "in setup"
+        self.step = -1
+        self._seq = 0
+        self._reported = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._me = {"host": socket.gethostname(), "pid": os.getpid()}
+
+    # ------------------------------------------------------------------------------------------- store
+    def _client(self) -> dist.TCPStore:
+        timeout = timedelta(seconds=max(2.0, 2 * self.interval))
+        return dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+    def _key(self, what: str, rank: int | None = None) -> str:
+        return f"{self.prefix}/{what}" + (f"/{rank}" if rank is not None else "")
+
+    def _beat(self, store: dist.TCPStore) -> None:
+        self._seq += 1
+        value = {**self._me, "seq": self._seq, "phase": self.phase, "step": self.step}
+        store.set(self._key("beat", self.rank), json.dumps(value))
+
+    # ------------------------------------------------------------------------------------------ thread
+    def start(self) -> None:
+        store = self._client()
+        self._beat(store)
+        self._thread = threading.Thread(target=self._run, args=(store,), name="sgdtp-liveness", daemon=True)
+        self._thread.start()
+
+    def _run(self, store: dist.TCPStore) -> None:
+        failed_since: float | None = None
+        failures = 0
+        last_beat, published = time.monotonic(), (self.phase, self.step)
+        while not self._stop.wait(self.interval / 4):
+            # Beat every interval, and as soon as the main thread enters a new phase: peers then see where we are.
+            now = time.monotonic()
+            if now - last_beat < self.interval and (self.phase, self.step) == published:
+                continue
+            last_beat, published = now, (self.phase, self.step)
+            try:
+                self._beat(store)
+                failures = int(store.add(self._key("failures"), 0))
+            except _STORE_ERRORS as exc:  # the store is gone: after a failure, the grace period still runs
+                log.debug(f"sgdtp: heartbeat of rank {self.rank} failed: {exc}")
+            if failures == 0 or self._reported:
+                continue
+            failed_since = failed_since or time.monotonic()
+            if time.monotonic() - failed_since > self.grace:
+                self._end_stuck_rank(store)
+
+    def _end_stuck_rank(self, store: dist.TCPStore) -> None:
+        peers = self._read_peers(store)
+        blamed = "; ".join(_describe(p) for p in peers.values() if p.failure) or "another rank failed"
+        message = (
+            f"sgdtp: rank {self.rank} is ending itself: the job has failed ({blamed}) and this rank has not"
+            f" reached a collective for {self.grace:.0f} s (it is {self.phase} at step {self.step})."
+            " Exit code 1, so that the launcher sees the failure and no process is left behind."
+        )
+        print(message, file=sys.stderr, flush=True)
+        log.error(message)
+        os._exit(1)
+
+    # ------------------------------------------------------------------------------------------ report
+    def report(self, exc: BaseException, primary: bool) -> None:
+        """Tell the peers that this rank fails, and why (``primary``: its own error, not a consequence)."""
+        if self._reported:
+            return
+        self._reported = True
+        text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:500]
+        value = {**self._me, "failure": text, "primary": primary, "phase": self.phase, "step": self.step}
+        try:
+            store = self._client()
+            store.set(self._key("failed", self.rank), json.dumps(value))
+            store.add(self._key("failures"), 1)
+            if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+                self._linger(store)
+        except _STORE_ERRORS as error:
+            log.debug(f"sgdtp: rank {self.rank} could not report its failure: {error}")
+
+    def _linger(self, store: dist.TCPStore) -> None:
+        """Rank 0 hosts the store: keep it up until every peer has failed, left or died (bounded by the
+        grace period), so that a rank stuck outside a collective reads the failure and ends itself."""
+        deadline = time.monotonic() + self.grace + 4 * self.interval
+        last = self._read_peers(store)
+        quiet_since = {r: time.monotonic() for r in last}
+        while time.monotonic() < deadline:
+            time.sleep(self.interval / 2)
+            now, peers = time.monotonic(), self._read_peers(store)
+            for r, p in peers.items():
+                if p.seq != last[r].seq:
+                    quiet_since[r] = now
+            last = peers
+            if all(p.failure or p.done or now - quiet_since[r] > 2.5 * self.interval for r, p in peers.items()):
+                return
+
+    def close(self) -> None:
+        """Stop the heartbeat; after a clean run, tell the peers that this rank left on purpose."""
+        self._stop.set()
+        if not self._reported:
+            try:
+                self._client().set(self._key("done", self.rank), json.dumps({**self._me, "done": True}))
+            except _STORE_ERRORS as error:
+                log.debug(f"sgdtp: rank {self.rank} could not report its clean exit: {error}")
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval + 1)
+            self._thread = None
+
+    # ---------------------------------------------------------------------------------------- diagnose
+    def _read_peers(self, store: dist.TCPStore) -> dict[int, PeerState]:
+        peers: dict[int, PeerState] = {}
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            fields: dict = {}
+            for what in ("beat", "failed", "done"):
+                key = self._key(what, rank)
+                if store.check([key]):
+                    fields.update(json.loads(store.get(key)))
+            peers[rank] = PeerState(
+                rank=rank,
+                host=fields.get("host", "?"),
+                pid=fields.get("pid", -1),
+                seq=fields.get("seq", -1),
+                phase=fields.get("phase", "starting"),
+                step=fields.get("step", -1),
+                failure=fields.get("failure"),
+                primary=fields.get("primary", True),
+                done=fields.get("done", False),
+            )
+        return peers
+
+    def diagnose(self, exc: BaseException) -> RankLostError | None:
+        """After a failed collective: which peers are to blame? ``None`` when no peer is (a local error)."""
+        timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+        try:
+            store = self._client()
+            first = self._read_peers(store)
+            deadline = time.monotonic() + 2.5 * self.interval
+            current = first
+            while time.monotonic() < deadline:
+                time.sleep(self.interval / 4)
+                current = self._read_peers(store)
+                if all(p.failure or p.done or p.seq != first[r].seq for r, p in current.items()):
+                    break
+        except _STORE_ERRORS:
+            return RankLostError(
+                f"sgdtp: rank {self.rank} lost contact with the job {self.phase} at step {self.step}: the"
+                f" rendezvous store at {self.host}:{self.port} is unreachable, so the process that hosts it"
+                " (global rank 0, or the torchrun agent) is gone. This rank stops too."
+                f" The collective's error: {_first_line(exc)}"
+            )
+        failed = [p for p in current.values() if p.failure and p.primary]
+        left = [p for p in current.values() if p.done and not p.failure]
+        lost = [p for r, p in current.items() if not (p.failure or p.done) and p.seq == first[r].seq]
+        alive = [p for r, p in current.items() if not (p.failure or p.done) and p.seq != first[r].seq]
+        # Stuck: alive, and somewhere else than this rank (the ranks waiting with us are not to blame).
+        elsewhere = [p for p in alive if p.position() != (self.phase, self.step)]
+        stuck = (elsewhere or alive) if timed_out else []
+        if not (failed or lost or stuck):
+            failed = [p for p in current.values() if p.failure]  # only consequences: name them anyway
+        if not (failed or lost or stuck or left):
+            return None
+        parts = [_describe(p) for p in failed]
+        parts += [f"{p.who()} finished and left while this rank still expected it in a collective" for p in left]
+        parts += [
+            f"{p.who()} was lost {p.where()}: no heartbeat for {2.5 * self.interval:.1f} s and no error reported"
+            " (killed, e.g. by the out-of-memory killer, or its node went down)"
+            for p in lost
+        ]
+        parts += [
+            f"{p.who()} is alive but did not join the collective within collective_timeout="
+            f"{self.collective_timeout:g} s: it is {p.where()} (stuck in user code, I/O, or a deadlock)"
+            for p in stuck
+        ]
+        return RankLostError(
+            f"sgdtp: {'; '.join(parts)}. Rank {self.rank} was {self.phase} at step {self.step} and stops too."
+            f" Resume from the last checkpoint (trainer.fit(..., ckpt_path='last')). The collective's error:"
+            f" {_first_line(exc)}"
+        )
+
+
+def _describe(p: PeerState) -> str:
+    verb = "failed" if p.primary else "stopped"
+    return f"{p.who()} {verb} {p.where()}: {p.failure}"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"

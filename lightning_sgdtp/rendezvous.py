@@ -1,0 +1,67 @@
+"""Bounded rendezvous: join the job's process group within ``rendezvous_timeout``, or fail saying where.
+
+The engine is torch's: a c10d ``TCPStore`` hosted by global rank 0 at ``MASTER_ADDR:MASTER_PORT`` and
+``torch.distributed.init_process_group`` on top of it. What we add is a separate, bounded wait for the
+rendezvous (``init_process_group`` alone would wait ``collective_timeout``, 30 minutes by default, on an
+unreachable address) and an error that names the address, the port and what to check.
+Under torchrun the agent hosts the store and has already gathered the ranks; we use it as is (``env://``).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class RendezvousError(RuntimeError):
+    """The ranks could not meet at MASTER_ADDR:MASTER_PORT in time. The message says what to check."""
+
+
+def init_process_group(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    collective_timeout: float,
+    rendezvous_timeout: float,
+    device_id: torch.device | None = None,
+) -> None:
+    """Create the default process group, waiting at most ``rendezvous_timeout`` seconds for the rendezvous."""
+    if dist.is_initialized():
+        return
+    os.environ["MASTER_ADDR"] = host
+    os.environ["MASTER_PORT"] = str(port)
+    timeout = timedelta(seconds=collective_timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id)
+        return
+    try:
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=rendezvous_timeout),
+            wait_for_workers=True,
+        )
+    except (dist.DistError, RuntimeError, OSError) as exc:
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        role = (
+            f"rank 0 hosts the rendezvous store on port {port} and waited for the {world_size - 1} other rank(s)"
+            if rank == 0
+            else f"rank {rank} tried to reach the rendezvous store that global rank 0 hosts"
+        )
+        raise RendezvousError(
+            f"sgdtp: rendezvous failed at MASTER_ADDR={host} MASTER_PORT={port} within rendezvous_timeout="
+            f"{rendezvous_timeout:g} s ({role}): {lines[0] if lines else type(exc).__name__}. Check that"
+            f" {host} is the address of the node running global rank 0 and that it is reachable from this node,"
+            f" that port {port} is free there and not blocked by a firewall, and that all {world_size} ranks were"
+            " launched (Trainer devices x num_nodes must match the launcher's tasks)."
+        ) from exc
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
+    )

@@ -1,0 +1,75 @@
+"""A rank that dies, raises or hangs ends the job within a bounded time, with an error naming it.
+
+Three ranks, each its own process as on a cluster (NODE_RANK=0..2, devices=1, num_nodes=3), train with
+collective_timeout=5 s. When all three reach step 3, rank 1 is SIGKILLed (``kill``), raises (``raise``) or
+sleeps for an hour outside any collective (``hang``). Every process must exit non-zero within the bound, the
+survivors must name rank 1, and no process of the job may be left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from launch import JOBS, finish, free_port, job_env, start
+
+TIMEOUT = 5.0  # collective_timeout given to the job
+# kill/raise: the failure is seen at once, plus the diagnosis (~2.5 s) and Python's exit.
+# hang: the survivors wait collective_timeout, then the stuck rank ends itself after its grace period.
+BOUND = {"kill": 15.0, "raise": 15.0, "hang": 3 * TIMEOUT + 20.0}
+EXPECT = {
+    "kill": "rank 1 (host {host}, pid {pid}) was lost",
+    "raise": "rank 1 (host {host}, pid {pid}) failed",
+    "hang": "rank 1 (host {host}, pid {pid}) is alive but did not join the collective",
+}
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("mode", ["kill", "raise", "hang"])
+def test_a_lost_rank_ends_the_job_in_bounded_time(tmp_path: Path, mode: str) -> None:
+    port = str(free_port())
+    cmd = [sys.executable, str(JOBS / "faults.py"), mode, "1", str(tmp_path)]
+    env = {"MASTER_PORT": port, "SGDTP_TEST_TIMEOUT": str(TIMEOUT), "SGDTP_TEST_WORLD": "3"}
+    procs = [start(cmd, env=job_env(NODE_RANK=str(rank), **env)) for rank in range(3)]
+    try:
+        deadline = time.monotonic() + 300
+        while not all((tmp_path / f"step-{r}").exists() for r in range(3)):
+            assert all(p.poll() is None for p in procs), [finish(p, 5)[0][-3000:] for p in procs]
+            assert time.monotonic() < deadline, "the job never reached step 3"
+            time.sleep(0.1)
+        victim_pid = int((tmp_path / "step-1").read_text())
+        struck = time.monotonic()
+        if mode == "kill":
+            os.kill(victim_pid, signal.SIGKILL)
+        ended: dict[int, float] = {}
+        while len(ended) < 3 and time.monotonic() - struck < BOUND[mode] + 30:
+            for rank, proc in enumerate(procs):
+                if rank not in ended and proc.poll() is not None:
+                    ended[rank] = time.monotonic() - struck
+            time.sleep(0.1)
+        # Before the test reaps anything: every process of each rank's session (compile workers too) is gone.
+        time.sleep(1.0)
+        left = [rank for rank, p in enumerate(procs) if _group_alive(p.pid)]
+    finally:
+        outputs = [finish(p, 10)[0] for p in procs]
+    tails = "\n".join(f"--- rank {r} (rc={p.returncode}):\n{o[-2500:]}" for r, (p, o) in enumerate(zip(procs, outputs)))
+    assert sorted(ended) == [0, 1, 2], f"ranks {sorted(set(range(3)) - set(ended))} did not end:\n{tails}"
+    assert all(p.returncode != 0 for p in procs), tails
+    assert max(ended.values()) <= BOUND[mode], f"ended after {ended} s, bound {BOUND[mode]} s:\n{tails}"
+    expected = EXPECT[mode].format(host=os.uname().nodename, pid=victim_pid)
+    for rank in (0, 2):
+        assert "RankLostError" in outputs[rank] and expected in outputs[rank], tails
+    if mode == "hang":
+        assert "rank 1 is ending itself: the job has failed" in outputs[1], tails
+    assert not left, f"processes of ranks {left} were left behind"
