@@ -60,6 +60,7 @@ from lightning_sgdtp.parallel.checkpointing import (
     find_block_stack,
     no_block_stack_message,
 )
+from lightning_sgdtp.resume import ResumableLoader
 
 # A child of Lightning's logger: shown wherever Lightning's own info lines are, silenced with them.
 log = logging.getLogger("lightning.pytorch.sgdtp")
@@ -86,6 +87,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(tmp, target)
         finally:
             tmp.unlink(missing_ok=True)
+        # What saves killed mid-write left behind (never a file Lightning would load: the name does not match).
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):
+            stale.unlink(missing_ok=True)
         fd = os.open(target.parent, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -556,6 +560,26 @@ class SGDTPStrategy(ParallelStrategy):
             with self._guard("reduce"):
                 return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training loader becomes resumable mid-epoch (position and random states go into checkpoints)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None or not trainer.training or isinstance(dataloader, ResumableLoader):
+            return dataloader
+
+        def progress() -> tuple[int, int]:
+            return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+        return ResumableLoader(dataloader, progress, self._all_gather_object, self.global_rank, self.world_size)
+
+    def _all_gather_object(self, obj: Any) -> list[Any]:
+        if not _distributed_is_initialized() or self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        with self._guard("all_gather_object"):
+            dist.all_gather_object(out, obj)
+        return out
 
     # ------------------------------------------------------------------------------------------- faults
     @contextmanager
