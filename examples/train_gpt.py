@@ -16,8 +16,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # so gpt.py and data.py import
 
 import lightning as L
+import torch
 from data import PydocDataModule
 from gpt import GPTLightningModule
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_only
@@ -36,6 +38,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--activation_checkpointing", action="store_true", help="sgdtp only: recompute each block")
     p.add_argument("--bucket_cap_mb", type=float, default=None, help="sgdtp only: MiB per fused all-reduce (25)")
     p.add_argument("--default_root_dir", default="runs/train_gpt")
+    p.add_argument("--limit_val_batches", type=float, default=1.0, help="fraction (<= 1.0) or number of val batches")
+    p.add_argument("--checkpoint_every", type=int, default=0, help="save last.ckpt every N steps (0: at epoch end)")
+    p.add_argument("--resume", action="store_true", help="resume from default_root_dir/checkpoints/last.ckpt if any")
+    p.add_argument("--save_weights", default=None, help="rank 0 saves the final state_dict to this file")
+    p.add_argument("--collective_timeout", type=float, default=None, help="sgdtp only: seconds (1800)")
     p.add_argument("--seed", type=int, default=1234)
     # Model and data.
     p.add_argument("--block_size", type=int, default=128)
@@ -58,6 +65,7 @@ def build_strategy(args: argparse.Namespace) -> str | Strategy:
         parallelism="data",
         bucket_cap_mb=args.bucket_cap_mb,
         activation_checkpointing=args.activation_checkpointing,
+        collective_timeout=args.collective_timeout,
     )
 
 
@@ -93,13 +101,27 @@ def main(args: argparse.Namespace) -> None:
         val_check_interval=val_every,
         check_val_every_n_epoch=None,
         log_every_n_steps=10,
+        limit_val_batches=int(args.limit_val_batches) if args.limit_val_batches > 1 else args.limit_val_batches,
         logger=CSVLogger(args.default_root_dir, name="csv"),
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=os.path.join(args.default_root_dir, "checkpoints"),
+                every_n_train_steps=args.checkpoint_every or None,
+                save_last=True,
+            )
+        ],
         default_root_dir=args.default_root_dir,
     )
     print0(f"GPT: {model.model.num_parameters():,} parameters; strategy {args.strategy}")
-    trainer.fit(model, datamodule=datamodule)
-    # The last in-training validation may be up to `val_every` batches old: measure the final weights.
-    (metrics,) = trainer.validate(model, datamodule=datamodule, verbose=False)
+    trainer.fit(model, datamodule=datamodule, ckpt_path="last" if args.resume else None)
+    if args.save_weights and trainer.is_global_zero:
+        torch.save(model.state_dict(), args.save_weights)
+    # The last in-training validation may be up to `val_every` batches old: measure the final weights. They are
+    # saved and named explicitly: under SLURM, `ckpt_path=None` would load a preemption checkpoint
+    # (hpc_ckpt_N.ckpt) instead, if the job was ever requeued.
+    final = os.path.join(args.default_root_dir, "checkpoints", "final.ckpt")
+    trainer.save_checkpoint(final)
+    (metrics,) = trainer.validate(model, datamodule=datamodule, ckpt_path=final, verbose=False)
     print0(f"final val_loss {metrics['val_loss']:.4f}  val_ppl {metrics['val_ppl']:.3f}")
 
 

@@ -44,6 +44,8 @@ class BackwardRecord:
 
     graph: set[int] = field(default_factory=set)
     eager: set[int] = field(default_factory=set)
+    # Set by `agree` when any rank asked to stop (preemption): every rank learns it in the same step.
+    stop: bool = False
 
 
 def walk_autograd_graph(loss: Tensor, graph_param_ids: set[int]) -> BackwardRecord:
@@ -127,12 +129,14 @@ class GradLedger:
             flags[self.index[pid]] = 1
         return flags
 
-    def agree(self, record: BackwardRecord, everything: bool = False) -> BackwardRecord:
+    def agree(self, record: BackwardRecord, everything: bool = False, stop: bool = False) -> BackwardRecord:
         """Before backward: make every rank agree on what the fallback will send, and check that every rank
         is about to run the same in-graph collectives. One small all-reduce of three bitmaps (MAX).
 
         ``everything=True``: the graphs carry no collectives (last micro-batch of an accumulation); the
         fallback sends every gradient (those accumulated so far and those this backward will produce).
+        ``stop``: this rank wants the job to stop (a preemption signal); the result's ``stop`` is the OR over
+        ranks, carried by the same all-reduce, so the ranks agree on it at no extra cost.
         """
         if everything:
             accumulated = {id(p) for _, p in self.params if p.grad is not None}
@@ -140,11 +144,11 @@ class GradLedger:
         else:
             local, graph = record.eager, record.graph
         eager_flags, graph_flags = self._flags(local), self._flags(graph)
-        both = torch.cat([eager_flags, graph_flags, -graph_flags])
+        both = torch.cat([eager_flags, graph_flags, -graph_flags, torch.tensor([int(stop)], dtype=torch.int32)])
         if self.world_size > 1:
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         n = len(self.params)
-        union, graph_max, graph_min = both[:n], both[n : 2 * n], -both[2 * n :]
+        union, graph_max, graph_min = both[:n], both[n : 2 * n], -both[2 * n : 3 * n]
         differ = (graph_max != graph_min).nonzero().flatten().tolist()
         if differ:
             names = [self.params[i][0] for i in differ[:5]]
@@ -156,7 +160,9 @@ class GradLedger:
                 " (its gradients are then synced after backward)."
             )
         return BackwardRecord(
-            graph=set(graph), eager={id(self.params[i][1]) for i in union.nonzero().flatten().tolist()}
+            graph=set(graph),
+            eager={id(self.params[i][1]) for i in union.nonzero().flatten().tolist()},
+            stop=bool(both[-1] > 0),
         )
 
     def sync(self, agreed: BackwardRecord) -> list[str]:

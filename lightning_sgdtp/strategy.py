@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -37,6 +38,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -60,6 +62,7 @@ from lightning_sgdtp.parallel.checkpointing import (
     find_block_stack,
     no_block_stack_message,
 )
+from lightning_sgdtp.preemption import Preempted, PreemptionSignal, requeue_slurm_job
 from lightning_sgdtp.resume import ResumableLoader
 
 # A child of Lightning's logger: shown wherever Lightning's own info lines are, silenced with them.
@@ -171,6 +174,8 @@ class SGDTPStrategy(ParallelStrategy):
         self._fallback_params: list[str] = []
         self._compiled_for: tuple[int, bool] | None = None
         self._liveness: Liveness | None = None
+        self._preemption: PreemptionSignal | None = None
+        self._stop_agreed = False
 
     # ----------------------------------------------------------------------------------------- properties
     @property
@@ -302,6 +307,11 @@ class SGDTPStrategy(ParallelStrategy):
                 " equal the launcher's total tasks (SLURM: --nodes x --ntasks-per-node; torchrun: --nnodes x"
                 " --nproc-per-node)."
             )
+        requeue = isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None
+        if requeue and self._preemption is None:
+            # Installed before Lightning's signal connector runs: it sees a handler and adds none of its own.
+            self._preemption = PreemptionSignal(env.requeue_signal)
+            self._preemption.install()
         if dist.is_initialized():
             return
         log.info(
@@ -344,6 +354,14 @@ class SGDTPStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_training(trainer)
             self.setup_optimizers(trainer)
+            if self._preemption is not None and not any(
+                isinstance(c, _PreemptionCheckpoint) for c in trainer.callbacks
+            ):
+                trainer.callbacks.append(_PreemptionCheckpoint(self))
+                self._say(
+                    f"SLURM: on signal {self._preemption.signum} the ranks agree on a step, save hpc_ckpt_N.ckpt"
+                    f" in {trainer.default_root_dir} at its end, requeue the job and stop"
+                )
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -355,7 +373,8 @@ class SGDTPStrategy(ParallelStrategy):
         self._plan_dir = Path(trainer.log_dir or trainer.default_root_dir)
         self._say(
             f"parallelism={self._config.parallelism}: {self.world_size} ranks ({self.num_nodes} node(s) x"
-            f" {self.num_processes}), data-parallel group of {self.dp_size}, backend={self._process_group_backend}"
+            f" {self.num_processes}), data-parallel group of {self.dp_size}, backend={self._process_group_backend},"
+            f" processes from {type(self.cluster_environment).__name__}"
         )
         if self._config.activation_checkpointing and self._checkpointed_blocks is None:
             self._checkpointed_blocks = apply_activation_checkpointing(module)
@@ -440,7 +459,10 @@ class SGDTPStrategy(ParallelStrategy):
         if self._sync_enabled and self._compiler is not None and self._ledger is not None:
             record = walk_autograd_graph(closure_loss, self._compiler.graph_param_ids)
             # Agree before backward: a rank about to run other in-graph collectives fails here, not in a hang.
-            self._record = self._ledger.agree(record, everything=not self._compiler.in_graph_sync)
+            # The same all-reduce carries the preemption flag: every rank learns of it in the same step.
+            stop = self._preemption is not None and self._preemption.requested
+            self._record = self._ledger.agree(record, everything=not self._compiler.in_graph_sync, stop=stop)
+            self._stop_agreed = self._stop_agreed or self._record.stop
 
     def _sync_after_backward(self) -> None:
         if self._record is None or self._ledger is None or self._compiler is None:
@@ -603,8 +625,27 @@ class SGDTPStrategy(ParallelStrategy):
             raise lost from exc
         live.phase = f"after {phase}"
 
+    def _preempt(self, trainer: pl.Trainer) -> None:
+        """At the end of the step all ranks agreed on: save the preemption checkpoint, requeue, stop."""
+        self._stop_agreed = False
+        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        path = self.broadcast(path)  # rank 0's name, in case the ranks see the folder differently
+        trainer.save_checkpoint(path)
+        done, what = requeue_slurm_job() if self.global_rank == 0 else (False, "")
+        done, what = self.broadcast((done, what))
+        if not done:
+            self._say(f"preemption signal: checkpoint saved to {path}, but {what}; training goes on")
+            if self._preemption is not None:
+                self._preemption.requested = False
+            return
+        message = f"sgdtp: preempted at step {trainer.global_step}: checkpoint saved to {path}; {what}; stopping"
+        self._say(message.removeprefix("sgdtp: "))
+        raise Preempted(message)
+
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, Preempted):
+            return
         if self._liveness is not None:
             self._liveness.report(exception, primary=not isinstance(exception, RankLostError))
 
@@ -614,6 +655,9 @@ class SGDTPStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._preemption is not None:
+            self._preemption.uninstall()
+            self._preemption = None
         if self._liveness is not None:
             self._liveness.close()
             self._liveness = None
@@ -632,6 +676,18 @@ class SGDTPStrategy(ParallelStrategy):
             description="lightning-sgdtp: compiled step, gradient all-reduce fused into the compiled backward",
             override=True,
         )
+
+
+class _PreemptionCheckpoint(Callback):
+    """Runs the agreed preemption at ``on_train_batch_end``: the point where ModelCheckpoint saves mid-epoch,
+    so that Lightning resumes the loop exactly there."""
+
+    def __init__(self, strategy: SGDTPStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.strategy._stop_agreed:
+            self.strategy._preempt(trainer)
 
 
 def _bookkeeping_hooks(module: torch.nn.Module, installed: bool = False) -> list[tuple[Any, str]]:

@@ -43,7 +43,10 @@ if __name__ == "__main__":
     world = int(os.environ.get("SGDTP_TEST_WORLD", "3"))
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
-        strategy=SGDTPStrategy(collective_timeout=float(os.environ.get("SGDTP_TEST_TIMEOUT", "5"))),
+        strategy=SGDTPStrategy(
+            collective_timeout=float(os.environ.get("SGDTP_TEST_TIMEOUT", "5")),
+            rendezvous_timeout=float(os.environ.get("SGDTP_TEST_RENDEZVOUS", "300")),
+        ),
         accelerator="cpu",
         devices=1,
         num_nodes=world,

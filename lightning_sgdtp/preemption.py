@@ -1,0 +1,76 @@
+"""Preemption on SLURM: checkpoint at a step boundary that every rank agrees on, requeue, stop.
+
+SLURM warns a job before its time limit or preemption with a signal (``#SBATCH --signal=SIGUSR1@90``).
+Lightning's own handler saves a checkpoint *inside* the signal handler, at whatever point each rank happens to
+be: with collectives in flight, ranks that get the signal in different steps wait on each other, or save
+different steps. Here the handler only raises a flag (:class:`PreemptionSignal`); the ranks OR their flags in
+the all-reduce they already run before every backward (the ledger's agreement), so all of them learn it in the
+same step; at the end of that step they save Lightning's ``hpc_ckpt_N.ckpt`` together, rank 0 requeues the job
+(:func:`requeue_slurm_job`) and every rank stops. When SLURM starts the job again, Lightning resumes from that
+checkpoint on its own (``trainer.fit(..., ckpt_path=None)`` under SLURM).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from types import FrameType
+from typing import Any
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the preemption checkpoint is saved and the job requeued: a clean exit (0)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class PreemptionSignal:
+    """Remembers that ``signum`` arrived. The handler only sets a flag, which is safe at any point of a step."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.requested = False
+        self._previous: Any = None
+        self._installed = False
+
+    def install(self) -> None:
+        self._previous = signal.signal(self.signum, self._handle)
+        self._installed = True
+
+    def uninstall(self) -> None:
+        if self._installed and signal.getsignal(self.signum) == self._handle:
+            signal.signal(self.signum, self._previous if self._previous is not None else signal.SIG_DFL)
+        self._installed = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+
+
+def slurm_job_id() -> str | None:
+    """The id ``scontrol requeue`` takes: ``ARRAYJOB_TASK`` for array jobs, else ``SLURM_JOB_ID``."""
+    array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and task:
+        return f"{array_job}_{task}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def requeue_slurm_job(timeout: float = 60.0) -> tuple[bool, str]:
+    """Run ``scontrol requeue`` for this job. Returns (done, what happened, for the log)."""
+    job = slurm_job_id()
+    if job is None:
+        return False, "no SLURM_JOB_ID in the environment"
+    try:
+        result = subprocess.run(
+            ["scontrol", "requeue", job], check=False, capture_output=True, text=True, timeout=timeout
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"scontrol requeue {job} failed: {exc}"
+    if result.returncode != 0:
+        return False, f"scontrol requeue {job} failed (rc={result.returncode}): {result.stderr.strip()}"
+    return True, f"job {job} requeued"

@@ -1,0 +1,121 @@
+"""The example on a real (local) SLURM cluster: srun and sbatch, preemption and requeue, bad launches.
+
+`.ci/run` starts the cluster with `../shared/slurm/up.sh 2` (two slurmd "nodes", n1 and n2, on this host) and
+stops it afterwards. Without a cluster these tests skip, unless SGDTP_REQUIRE_SLURM=1 (CI), where they fail.
+Every run is compared with the same run launched by Lightning itself (no SLURM): parameters bitwise equal.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from launch import REPO, free_port, job_env, run
+
+EXAMPLE = str(REPO / "examples" / "train_gpt.py")
+SBATCH = str(REPO / "examples" / "slurm" / "train_gpt.sbatch")
+# A small model, and enough steps (about 10 s of training) to signal a job while it trains.
+ARGS = ["--max_steps", "150", "--n_layer", "2", "--n_embd", "64", "--block_size", "64", "--batch_size", "8"]
+ARGS += ["--limit_val_batches", "2", "--accelerator", "cpu"]
+
+
+def _slurm_up() -> bool:
+    if shutil.which("sinfo") is None or not os.environ.get("SLURM_CONF"):
+        return False
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "idle" in out.stdout
+
+
+if not _slurm_up():
+    if os.environ.get("SGDTP_REQUIRE_SLURM") == "1":
+        raise RuntimeError("SGDTP_REQUIRE_SLURM=1 but no SLURM cluster answers (run ../shared/slurm/up.sh 2)")
+    pytestmark = pytest.mark.skip(reason="no SLURM cluster: start one with ../shared/slurm/up.sh 2")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    # The "nodes" n1/n2 do not resolve: the rendezvous is on 127.0.0.1 (see ../shared/slurm/README.md).
+    return job_env(MASTER_ADDR="127.0.0.1", **extra)
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path)
+
+
+def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"parameters differ: {different[:5]}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The same training launched by Lightning itself: 2 processes on this machine."""
+    out = tmp_path_factory.mktemp("reference")
+    cmd = [sys.executable, EXAMPLE, *ARGS, "--devices", "2", "--default_root_dir", str(out)]
+    result = run([*cmd, "--save_weights", str(out / "w.pt")], env=job_env())
+    assert result.returncode == 0, result.stdout[-4000:]
+    return _weights(out / "w.pt")
+
+
+@pytest.mark.parametrize(("nodes", "tasks"), [(2, 1), (1, 2)], ids=["2nodes-x-1task", "1node-x-2tasks"])
+def test_srun_matches_lightning_launch(reference: dict, tmp_path: Path, nodes: int, tasks: int) -> None:
+    cmd = ["srun", f"-N{nodes}", f"--ntasks-per-node={tasks}", "-J", "sgdtp-test", "--kill-on-bad-exit=1"]
+    cmd += [sys.executable, EXAMPLE, *ARGS, "--devices", str(tasks), "--num_nodes", str(nodes)]
+    cmd += ["--default_root_dir", str(tmp_path), "--save_weights", str(tmp_path / "w.pt")]
+    result = run(cmd, env=_env())
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert f"2 ranks ({nodes} node(s) x {tasks})" in result.stdout and "from SLURMEnvironment" in result.stdout
+    _assert_bitwise(reference, _weights(tmp_path / "w.pt"))
+
+
+def _job_state(job: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, check=False).stdout
+    return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+
+def _wait(predicate, timeout: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; job output:\n{log.read_text()[-4000:]}")
+        time.sleep(0.2)
+
+
+def test_sbatch_preempted_job_requeues_and_ends_like_an_uninterrupted_run(reference: dict, tmp_path: Path) -> None:
+    """SIGUSR1 (what --signal=SIGUSR1@90 sends): agreed checkpoint, requeue, resume, same final parameters."""
+    log = tmp_path / "job.out"
+    env = _env(ACCELERATOR="cpu", ROOT_DIR=str(tmp_path / "run"), MASTER_PORT=str(free_port()))
+    cmd = ["sbatch", "--parsable", "-N1", "--ntasks-per-node=2", "--cpus-per-task=1", f"--output={log}", SBATCH]
+    cmd += [*ARGS, "--save_weights", str(tmp_path / "w.pt")]
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
+    try:
+        _wait(lambda: log.exists() and "bytes communicated" in log.read_text(), 300, "training to start", log)
+        subprocess.run(["scancel", "--signal=USR1", job], check=True)
+        _wait(lambda: _job_state(job).get("Restarts") == "1", 120, "the job to requeue itself", log)
+        # SLURM holds a requeued job back for about two minutes (BeginTime); a test need not wait for it.
+        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)
+        _wait(lambda: _job_state(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 400, "the end", log)
+    finally:
+        subprocess.run(["scancel", job], check=False)
+    text = log.read_text()
+    assert _job_state(job).get("JobState") == "COMPLETED", text[-4000:]
+    assert "sgdtp: preempted at step" in text and "hpc_ckpt_1.ckpt" in text, text[-4000:]
+    assert "restart 1" in text and "Restored all states from the checkpoint" in text, text[-4000:]
+    _assert_bitwise(reference, _weights(tmp_path / "w.pt"))
+
+
+def test_devices_not_matching_ntasks_per_node_fails_before_training(tmp_path: Path) -> None:
+    cmd = ["srun", "-N1", "--ntasks-per-node=2", "-J", "sgdtp-test", sys.executable, EXAMPLE, *ARGS]
+    cmd += ["--devices", "1", "--default_root_dir", str(tmp_path)]
+    result = run(cmd, timeout=120, env=_env())
+    assert result.returncode != 0
+    assert "You set `devices=1` in Lightning, but the number of tasks per node configured in SLURM" in result.stdout
+    assert "Initializing distributed" not in result.stdout, "the processes should fail before the rendezvous"
