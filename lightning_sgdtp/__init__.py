@@ -10,11 +10,17 @@ from lightning_sgdtp._registration import register_strategies
 from lightning_sgdtp.compiler.backend import SGDTPCompiler, register_backend, sgdtp_backend
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.diagnose import diagnose
+from lightning_sgdtp.faults import RankLostError
+from lightning_sgdtp.preemption import Preempted
+from lightning_sgdtp.rendezvous import RendezvousError
 from lightning_sgdtp.strategy import SGDTPStrategy
 
 __version__ = "0.1.0"
 __all__ = [
     "NotAvailableYetError",
+    "Preempted",
+    "RankLostError",
+    "RendezvousError",
     "SGDTPCompiler",
     "SGDTPConfig",
     "SGDTPConfigError",

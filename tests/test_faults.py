@@ -73,3 +73,28 @@ def test_a_lost_rank_ends_the_job_in_bounded_time(tmp_path: Path, mode: str) -> 
     if mode == "hang":
         assert "rank 1 is ending itself: the job has failed" in outputs[1], tails
     assert not left, f"processes of ranks {left} were left behind"
+
+
+@pytest.mark.parametrize(
+    ("rank", "addr", "expect"),
+    [
+        (1, "127.0.0.1", "rank 1 tried to reach the rendezvous store"),  # nobody listens on the port
+        (1, "10.255.255.1", "rank 1 tried to reach the rendezvous store"),  # an address no packet reaches
+        (0, "127.0.0.1", "rank 0 hosts the rendezvous store"),  # the other rank never comes
+    ],
+    ids=["closed-port", "unroutable-address", "missing-rank"],
+)
+def test_bad_rendezvous_fails_in_bounded_time_naming_address_and_port(
+    tmp_path: Path, rank: int, addr: str, expect: str
+) -> None:
+    port = str(free_port())
+    env = job_env(NODE_RANK=str(rank), MASTER_ADDR=addr, MASTER_PORT=port, SGDTP_TEST_RENDEZVOUS="3")
+    env["SGDTP_TEST_WORLD"] = "2"
+    started = time.monotonic()
+    proc = start([sys.executable, str(JOBS / "faults.py"), "none", "-1", str(tmp_path)], env=env)
+    out, _, timed_out = finish(proc, timeout=120)
+    elapsed = time.monotonic() - started
+    assert not timed_out and proc.returncode != 0, out[-3000:]
+    assert "RendezvousError" in out and f"MASTER_ADDR={addr} MASTER_PORT={port}" in out, out[-3000:]
+    assert "rendezvous_timeout=3 s" in out and expect in out, out[-3000:]
+    assert elapsed < 60, f"took {elapsed:.0f} s"  # process start and imports included; the wait itself is 3 s
