@@ -312,22 +312,21 @@ class SGDTPStrategy(ParallelStrategy):
             # Installed before Lightning's signal connector runs: it sees a handler and adds none of its own.
             self._preemption = PreemptionSignal(env.requeue_signal)
             self._preemption.install()
-        if dist.is_initialized():
-            return
-        log.info(
-            f"Initializing distributed: GLOBAL_RANK: {self.global_rank}, MEMBER: {self.global_rank + 1}/{expected}"
-        )
-        rendezvous.init_process_group(
-            env.main_address,
-            env.main_port,
-            self.global_rank,
-            expected,
-            self._process_group_backend,
-            collective_timeout=self._config.collective_timeout,
-            rendezvous_timeout=self._config.rendezvous_timeout,
-            device_id=self.root_device if self.root_device.type != "cpu" else None,
-        )
-        if expected > 1:
+        if not dist.is_initialized():
+            log.info(
+                f"Initializing distributed: GLOBAL_RANK: {self.global_rank}, MEMBER: {self.global_rank + 1}/{expected}"
+            )
+            rendezvous.init_process_group(
+                env.main_address,
+                env.main_port,
+                self.global_rank,
+                expected,
+                self._process_group_backend,
+                collective_timeout=self._config.collective_timeout,
+                rendezvous_timeout=self._config.rendezvous_timeout,
+                device_id=self.root_device if self.root_device.type != "cpu" else None,
+            )
+        if expected > 1 and self._liveness is None:
             # One key per job run: heartbeats of an earlier attempt (torchrun restarts reuse the store) never count.
             key = [uuid.uuid4().hex]
             dist.broadcast_object_list(key, src=0)

@@ -98,3 +98,18 @@ def test_bad_rendezvous_fails_in_bounded_time_naming_address_and_port(
     assert "RendezvousError" in out and f"MASTER_ADDR={addr} MASTER_PORT={port}" in out, out[-3000:]
     assert "rendezvous_timeout=3 s" in out and expect in out, out[-3000:]
     assert elapsed < 60, f"took {elapsed:.0f} s"  # process start and imports included; the wait itself is 3 s
+
+
+def test_torchrun_world_size_not_matching_devices_fails_before_the_rendezvous(tmp_path: Path) -> None:
+    """torchrun starts 2 processes, the Trainer asks for devices=1: every process fails at once, saying so."""
+    env = job_env()
+    port = env.pop("MASTER_PORT")
+    env.pop("MASTER_ADDR")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d"]
+    cmd += [f"--rdzv-endpoint=127.0.0.1:{port}", str(JOBS.parent.parent / "examples" / "train_gpt.py")]
+    cmd += ["--devices", "1", "--max_steps", "2", "--default_root_dir", str(tmp_path)]
+    proc = start(cmd, env=env)
+    out, _, timed_out = finish(proc, timeout=120)
+    assert not timed_out and proc.returncode != 0, out[-3000:]
+    assert "You set `devices=1` and `num_nodes=1` in Lightning, but the product (1 * 1) does not match the world" in out
+    assert "Initializing distributed" not in out, "the processes should fail before the rendezvous"

@@ -90,18 +90,27 @@ def _wait(predicate, timeout: float, what: str, log: Path) -> None:
 
 
 def test_sbatch_preempted_job_requeues_and_ends_like_an_uninterrupted_run(reference: dict, tmp_path: Path) -> None:
-    """SIGUSR1 (what --signal=SIGUSR1@90 sends): agreed checkpoint, requeue, resume, same final parameters."""
+    """sbatch on 2 nodes x 1 task. SIGUSR1 (what --signal=SIGUSR1@90 sends): agreed checkpoint, requeue, resume,
+    same final parameters as the uninterrupted run."""
     log = tmp_path / "job.out"
     env = _env(ACCELERATOR="cpu", ROOT_DIR=str(tmp_path / "run"), MASTER_PORT=str(free_port()))
-    cmd = ["sbatch", "--parsable", "-N1", "--ntasks-per-node=2", "--cpus-per-task=1", f"--output={log}", SBATCH]
+    cmd = ["sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "--cpus-per-task=1", f"--output={log}", SBATCH]
     cmd += [*ARGS, "--save_weights", str(tmp_path / "w.pt")]
     job = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
     try:
         _wait(lambda: log.exists() and "bytes communicated" in log.read_text(), 300, "training to start", log)
         subprocess.run(["scancel", "--signal=USR1", job], check=True)
         _wait(lambda: _job_state(job).get("Restarts") == "1", 120, "the job to requeue itself", log)
-        # SLURM holds a requeued job back for about two minutes (BeginTime); a test need not wait for it.
-        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)
+
+        # SLURM holds a requeued job back for about two minutes (Reason=BeginTime); a test need not wait for it.
+        # The hold is set once the old run has ended (COMPLETING, then PENDING): release it then.
+        def released() -> bool:
+            state = _job_state(job)
+            if state.get("JobState") == "PENDING" and state.get("Reason") == "BeginTime":
+                subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)
+            return state.get("JobState") in ("RUNNING", "COMPLETED", "FAILED", "CANCELLED")
+
+        _wait(released, 120, "the requeued job to start", log)
         _wait(lambda: _job_state(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 400, "the end", log)
     finally:
         subprocess.run(["scancel", job], check=False)
@@ -109,6 +118,7 @@ def test_sbatch_preempted_job_requeues_and_ends_like_an_uninterrupted_run(refere
     assert _job_state(job).get("JobState") == "COMPLETED", text[-4000:]
     assert "sgdtp: preempted at step" in text and "hpc_ckpt_1.ckpt" in text, text[-4000:]
     assert "restart 1" in text and "Restored all states from the checkpoint" in text, text[-4000:]
+    assert "2 ranks (2 node(s) x 1)" in text and "from SLURMEnvironment" in text, text[-4000:]
     _assert_bitwise(reference, _weights(tmp_path / "w.pt"))
 
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from models import VOCAB, BreaksModel, token_data
 from parity import params
+from parity import trainer as make_trainer
 
 from lightning_sgdtp import SGDTPStrategy
 
@@ -82,19 +83,8 @@ def main(part: str, out: Path) -> None:
     L.seed_everything(0, verbose=False)
     model = DropoutModel(part)
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_last=True)
-    trainer = L.Trainer(
-        strategy=SGDTPStrategy(collective_timeout=30),
-        accelerator="cpu",
-        devices=2,
-        max_steps=MAX_STEPS,
-        logger=False,
-        callbacks=[ckpt],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(out),
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    strategy = SGDTPStrategy(collective_timeout=30)
+    trainer = make_trainer(strategy, out, max_steps=MAX_STEPS, callbacks=[ckpt], enable_checkpointing=True)
     resume = part in ("resumed", "torchrun")
     trainer.fit(model, token_data(n=48), ckpt_path="last" if resume else None)
     if trainer.global_rank == 0:
