@@ -35,7 +35,7 @@ class SGDTPConfig:
         grad_comm_dtype: ``None`` (communicate in the gradient's dtype) or ``"bf16"``: halves the bytes sent;
             lossy (gradients are rounded to bfloat16 before the sum).
         overlap: Schedule bucket all-reduces to overlap backward compute (the point of the plugin). ``False``
-            keeps Inductor's default order; useful to measure what overlap buys.
+            waits for each bucket right after its all-reduce (no overlap); useful to measure what overlap buys.
         activation_checkpointing: Recompute each repeated block (transformer layer) in backward instead of
             keeping its activations. Applied per block, before compile.
         broadcast_buffers: Broadcast module buffers (e.g. BatchNorm statistics) from rank 0 before each

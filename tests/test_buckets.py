@@ -100,6 +100,19 @@ def test_generated_code_issues_all_reduce_before_later_backward_compute(fake_wor
     assert sum(1 for i in issued if i < last_mm) >= len(issued) - 1, events
 
 
+def test_overlap_false_waits_for_each_bucket_before_more_backward_compute(fake_world: None) -> None:
+    """The baseline: with overlap=False every bucket's wait comes right after its all-reduce, before any
+    further backward matmul, so communication and compute never overlap."""
+    code, compiler = backward_code(overlap=False)
+    events = schedule(code)
+    issued = [i for i, e in enumerate(events) if e[0] == "all_reduce_"]
+    assert len(issued) == len(compiler.plans[0].buckets) >= 3, events
+    for i in issued:
+        wait = next(j for j, e in enumerate(events) if e == ("wait_tensor", events[i][1]))
+        between = [e for e in events[i + 1 : wait] if e[0] == "compute" and "mm" in e[1]]
+        assert not between, f"a matmul runs while bucket {events[i][1]} is in flight: {events}"
+
+
 def test_bf16_wire_dtype_halves_bytes(fake_world: None) -> None:
     torch._dynamo.reset()
     compiler = SGDTPCompiler(SGDTPConfig(bucket_cap_mb=100, grad_comm_dtype="bf16"))

@@ -127,6 +127,7 @@ class SGDTPCompiler:
                     cap_bytes=cfg.bucket_cap_bytes,
                     wire_dtype=wire_dtype,
                     graph_id=graph_id,
+                    overlap=cfg.overlap,
                 )
             else:
                 plan = GraphPlan(

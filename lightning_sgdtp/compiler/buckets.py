@@ -126,6 +126,7 @@ def insert_bucketed_allreduce(
     cap_bytes: int,
     wire_dtype: torch.dtype | None = None,
     graph_id: int = 0,
+    overlap: bool = True,
 ) -> GraphPlan:
     """Insert one fused async all-reduce per bucket into backward graph ``gm`` (in place).
 
@@ -136,6 +137,8 @@ def insert_bucketed_allreduce(
         world_size: size of that group; gradients are averaged (divided, then summed).
         cap_bytes: bucket size limit, measured in the gradient's own dtype.
         wire_dtype: dtype on the wire (``torch.bfloat16`` halves bytes); None keeps the gradient's dtype.
+        overlap: True: every wait sits just before the output, so each bucket's all-reduce runs while the rest
+            of backward computes. False: each wait follows its all-reduce at once (no overlap; a baseline).
     """
     graph = gm.graph
     out_node = graph.output_node()
@@ -185,6 +188,8 @@ def insert_bucketed_allreduce(
         if wire_dtype is not None and wire_dtype != grad_dtype:
             buf = add(prims.convert_element_type.default, (buf, wire_dtype))
         collective = add(c10d.all_reduce.default, (buf, "sum", group_name))
+        if not overlap:  # wait at once: backward stops until this bucket is reduced
+            collective = add(c10d.wait_tensor.default, (collective,))
         pending.append((nodes, collective, grad_dtype))
         numel = sum(slots[i].numel for i in members)
         wire = buf.meta["val"].dtype
@@ -199,11 +204,15 @@ def insert_bucketed_allreduce(
             )
         )
 
-    # Waits as late as possible: just before the output, in bucket order.
+    # Waits as late as possible: just before the output, in bucket order (without overlap: already waited).
     new_outs = list(outs)
     for nodes, collective, grad_dtype in pending:
         with graph.inserting_before(out_node):
-            reduced = _add_node(graph, fake_mode, c10d.wait_tensor.default, (collective,))
+            reduced = (
+                _add_node(graph, fake_mode, c10d.wait_tensor.default, (collective,))
+                if collective.target is not c10d.wait_tensor.default
+                else collective
+            )
             if reduced.meta["val"].dtype != grad_dtype:
                 reduced = _add_node(graph, fake_mode, prims.convert_element_type.default, (reduced, grad_dtype))
             sizes = [n.meta["val"].numel() for n in nodes]
