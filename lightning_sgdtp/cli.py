@@ -126,7 +126,50 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-marker", action="store_true", help="do not write the version marker into the cache")
     d.add_argument("--strict", action="store_true", help="exit 1 when an error is found")
     d.set_defaults(run=_diagnose)
+
+    sign = commands.add_parser(
+        "sign",
+        help="write DIR/SGDTP-MANIFEST.json (path, size, SHA256 of every file) and, with a key, its signature",
+    )
+    sign.add_argument("dir", type=Path)
+    sign.add_argument("--gpg-key", default=None, help="sign with gpg: key id, fingerprint or email")
+    sign.add_argument("--gnupg-home", default=None, help="gpg's home directory (default: gpg's own)")
+    sign.add_argument("--pem-key", type=Path, default=None, help="sign with a PEM private key (Ed25519, RSA, EC)")
+    sign.set_defaults(run=_sign)
+
+    verify = commands.add_parser(
+        "verify", help="check DIR against its manifest (sizes, SHA256, no extra files) and the manifest's signature"
+    )
+    verify.add_argument("dir", type=Path)
+    verify.add_argument("--keyring", type=Path, default=None, help="trusted keys: a gpg keyring (checked with gpgv)")
+    verify.add_argument("--pem-public-key", type=Path, default=None, help="trusted key: a PEM public key")
+    verify.set_defaults(run=_verify)
     return parser
+
+
+def _sign(args: argparse.Namespace) -> int:
+    from lightning_sgdtp.trust import sign_dir
+
+    manifest = sign_dir(args.dir, gpg_key=args.gpg_key, gnupg_home=args.gnupg_home, pem_key=args.pem_key)
+    signed = " and signed" if args.gpg_key or args.pem_key else " (unsigned: no --gpg-key or --pem-key)"
+    print(f"wrote {manifest}{signed}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from lightning_sgdtp.trust import ArtifactVerificationError, verify_dir
+
+    if args.keyring and args.pem_public_key:
+        print("sgdtp verify: give --keyring or --pem-public-key, not both", file=sys.stderr)
+        return 2
+    try:
+        verify_dir(args.dir, trusted=args.keyring or args.pem_public_key)
+    except ArtifactVerificationError as err:
+        print(err, file=sys.stderr)
+        return 1
+    how = "signature and " if args.keyring or args.pem_public_key else "(no signature checked) "
+    print(f"{args.dir}: {how}every file verified")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
