@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 PARALLELISMS = ("data", "tensor", "hybrid")
@@ -44,6 +45,12 @@ class SGDTPConfig:
             bounds how long the job takes to end when a rank dies, raises or hangs (see ``docs/faults.md``).
         rendezvous_timeout: Seconds the ranks may take to meet at ``MASTER_ADDR:MASTER_PORT`` when the job
             starts; then the job fails with an error that names the address and port.
+        verify_artifacts: Verify a checkpoint against the SHA256 manifest of its folder (and its signature, with
+            ``trusted_key``) before anything is unpickled; refuse it otherwise. Checkpoints written by the strategy
+            have a manifest; sign others with ``sgdtp sign DIR``.
+        trusted_key: A gpg keyring (checked with ``gpgv``) or a PEM public key: checkpoints must be signed by it.
+        signing_key: Sign each checkpoint folder's manifest: ``"gpg:KEY"`` (a gpg key id, fingerprint or email;
+            ``GNUPGHOME`` applies) or the path of a PEM private key.
         pipeline_chunks, pipeline_stages, tensor_parallel_size: reserved; raise until they land.
     """
 
@@ -55,6 +62,9 @@ class SGDTPConfig:
     broadcast_buffers: bool = True
     collective_timeout: float = 1800.0
     rendezvous_timeout: float = 300.0
+    verify_artifacts: bool = True
+    trusted_key: str | None = None
+    signing_key: str | None = None
     pipeline_chunks: int | None = None
     pipeline_stages: int | None = None
     tensor_parallel_size: Any | None = None
@@ -88,13 +98,25 @@ class SGDTPConfig:
                 f"grad_comm_dtype={self.grad_comm_dtype!r} is not supported. Use None (communicate in the"
                 " gradient's own dtype) or 'bf16' (half the bytes, lossy)."
             )
-        for name in ("overlap", "activation_checkpointing", "broadcast_buffers"):
+        for name in ("overlap", "activation_checkpointing", "broadcast_buffers", "verify_artifacts"):
             if not isinstance(getattr(self, name), bool):
                 raise SGDTPConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
         for name in ("collective_timeout", "rendezvous_timeout"):
             timeout = getattr(self, name)
             if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
                 raise SGDTPConfigError(f"{name}={timeout!r} must be a positive number of seconds, e.g. 600.")
+
+        if self.trusted_key is not None and not Path(self.trusted_key).is_file():
+            raise SGDTPConfigError(
+                f"trusted_key={self.trusted_key!r} is not a file. Give a gpg keyring (gpg --export KEY > keyring.gpg)"
+                " or a PEM public key."
+            )
+        key = self.signing_key
+        if key is not None and not (key.startswith("gpg:") and len(key) > 4) and not Path(key).is_file():
+            raise SGDTPConfigError(
+                f"signing_key={key!r} is neither 'gpg:KEY' (a gpg key id, fingerprint or email) nor a PEM private key"
+                " file."
+            )
 
     @property
     def bucket_cap_bytes(self) -> int:

@@ -64,6 +64,8 @@ from lightning_sgdtp.parallel.checkpointing import (
 )
 from lightning_sgdtp.preemption import Preempted, PreemptionSignal, requeue_slurm_job
 from lightning_sgdtp.resume import ResumableLoader
+from lightning_sgdtp.trust import sign_dir, verify_dir
+from lightning_sgdtp.trust.manifest import record_files
 
 # A child of Lightning's logger: shown wherever Lightning's own info lines are, silenced with them.
 log = logging.getLogger("lightning.pytorch.sgdtp")
@@ -73,7 +75,16 @@ SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-tru
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` to a temporary file, fsync, then rename: a crash mid-save leaves the previous file whole."""
+    """``torch.save`` to a temporary file, fsync, then rename: a crash mid-save leaves the previous file whole.
+
+    It also keeps ``SGDTP-MANIFEST.json`` in each checkpoint folder (size and SHA256 of the checkpoints it wrote),
+    signed with ``signing_key`` when given, and, with ``verify``, checks a checkpoint against it (and its signature
+    against ``trusted_key``) before ``torch.load`` unpickles anything.
+    """
+
+    def __init__(self, verify: bool = True, trusted_key: str | None = None, signing_key: str | None = None) -> None:
+        super().__init__()
+        self.verify, self.trusted_key, self.signing_key = verify, trusted_key, signing_key
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
@@ -93,11 +104,40 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         # What saves killed mid-write left behind (never a file Lightning would load: the name does not match).
         for stale in target.parent.glob(f".{target.name}.tmp-*"):
             stale.unlink(missing_ok=True)
-        fd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(target.parent)
+        self._record(target)
+        return None
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        super().remove_checkpoint(path)
+        if "://" not in str(path):
+            self._record(Path(path))
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = lambda storage, loc: storage, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if self.verify and "://" not in str(path):
+            target = Path(path)
+            verify_dir(target.parent, trusted=Path(self.trusted_key) if self.trusted_key else None, only=[target.name])
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def _record(self, target: Path) -> None:
+        """Update (and sign) the folder's manifest for the file just written or removed."""
+        manifest = record_files(target.parent, [target.name])
+        key = self.signing_key
+        gpg_key = key[len("gpg:") :] if key and key.startswith("gpg:") else None
+        pem_key = Path(key) if key and gpg_key is None else None
+        sign_dir(target.parent, gpg_key=gpg_key, pem_key=pem_key, manifest_data=manifest)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class SGDTPStrategy(ParallelStrategy):
@@ -121,6 +161,9 @@ class SGDTPStrategy(ParallelStrategy):
         broadcast_buffers: bool | None = None,
         collective_timeout: float | None = None,
         rendezvous_timeout: float | None = None,
+        verify_artifacts: bool | None = None,
+        trusted_key: str | None = None,
+        signing_key: str | None = None,
         pipeline_chunks: int | None = None,
         pipeline_stages: int | None = None,
         tensor_parallel_size: Any | None = None,
@@ -141,6 +184,9 @@ class SGDTPStrategy(ParallelStrategy):
             "broadcast_buffers": broadcast_buffers,
             "collective_timeout": collective_timeout,
             "rendezvous_timeout": rendezvous_timeout,
+            "verify_artifacts": verify_artifacts,
+            "trusted_key": trusted_key,
+            "signing_key": signing_key,
             "pipeline_chunks": pipeline_chunks,
             "pipeline_stages": pipeline_stages,
             "tensor_parallel_size": tensor_parallel_size,
@@ -156,7 +202,8 @@ class SGDTPStrategy(ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
+            checkpoint_io=checkpoint_io
+            or AtomicCheckpointIO(self._config.verify_artifacts, self._config.trusted_key, self._config.signing_key),
             precision_plugin=precision_plugin,
         )
         self._num_nodes = 1

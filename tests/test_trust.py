@@ -135,3 +135,95 @@ def test_cli_sign_and_verify(tmp_path: Path, gpg_keys: dict) -> None:
     (root / "plan.json").write_text("{}")
     bad = subprocess.run(verify, capture_output=True, text=True, env=env, check=False)
     assert bad.returncode == 1 and "plan.json: size check failed" in bad.stderr, bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The strategy's checkpoints: written with a manifest (signed with signing_key), verified before torch.load.
+
+CHECKPOINT_JOB = r"""
+import os, sys, torch, lightning.pytorch as L
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_sgdtp import SGDTPStrategy
+from lightning_sgdtp.trust import ArtifactVerificationError
+
+root, part = sys.argv[1], sys.argv[2]
+kwargs = eval(sys.argv[3])
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).pow(2).mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+loaded = []
+real_load = torch.load
+torch.load = lambda *a, **k: loaded.append(a[0]) or real_load(*a, **k)  # records every unpickling
+trainer = L.Trainer(
+    strategy=SGDTPStrategy(**kwargs), accelerator="cpu", devices=1, max_steps=2 if part == "train" else 4,
+    logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+    callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), save_last=True)],
+)
+data = DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=4)
+try:
+    trainer.fit(Net(), data, ckpt_path=None if part == "train" else os.path.join(root, "ckpt", "last.ckpt"))
+    print("RESULT ok", trainer.global_step)
+except ArtifactVerificationError as err:
+    print("RESULT refused", err.check, os.path.basename(err.path), "unpickled:", len(loaded))
+    print(err)
+"""
+
+
+def _job(root: Path, part: str, **kwargs: object) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", CHECKPOINT_JOB, str(root), part, repr(kwargs)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"},
+        check=False,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))
+
+
+def test_strategy_checkpoints_are_verified_before_unpickling(tmp_path: Path) -> None:
+    assert _job(tmp_path, "train") == "RESULT ok 2"
+    manifest = json.loads((tmp_path / "ckpt" / MANIFEST).read_text())
+    assert sorted(e["path"] for e in manifest["files"]) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    assert _job(tmp_path, "resume") == "RESULT ok 4"  # verified, then loaded
+
+    last = tmp_path / "ckpt" / "last.ckpt"
+    good = last.read_bytes()
+    last.write_bytes(good[: len(good) // 2])
+    assert _job(tmp_path, "resume") == "RESULT refused size last.ckpt unpickled: 0"
+    last.write_bytes(good[:-9] + bytes([good[-9] ^ 0xFF]) + good[-8:])
+    assert _job(tmp_path, "resume") == "RESULT refused SHA256 last.ckpt unpickled: 0"
+    last.write_bytes(good)
+    (tmp_path / "ckpt" / MANIFEST).unlink()  # a checkpoint that nothing vouches for
+    assert _job(tmp_path, "resume") == "RESULT refused manifest ckpt unpickled: 0"
+    assert _job(tmp_path, "resume", verify_artifacts=False) == "RESULT ok 4"
+
+
+def test_signed_checkpoints_need_the_trusted_key(tmp_path: Path) -> None:
+    private, public, other = tmp_path / "k.pem", tmp_path / "k.pub.pem", tmp_path / "other.pub.pem"
+    key = ed25519.Ed25519PrivateKey.generate()
+    private.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    for path, k in ((public, key), (other, ed25519.Ed25519PrivateKey.generate())):
+        path.write_bytes(
+            k.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        )
+    run = tmp_path / "run"
+    assert _job(run, "train", signing_key=str(private)) == "RESULT ok 2"
+    assert (run / "ckpt" / f"{MANIFEST}.pem-sig").exists()
+    assert _job(run, "resume", trusted_key=str(public)) == "RESULT ok 4"
+    assert _job(run, "resume", trusted_key=str(other)) == f"RESULT refused signature {MANIFEST} unpickled: 0"
+    unsigned = tmp_path / "unsigned"
+    assert _job(unsigned, "train") == "RESULT ok 2"
+    assert _job(unsigned, "resume", trusted_key=str(public)) == f"RESULT refused signature {MANIFEST} unpickled: 0"

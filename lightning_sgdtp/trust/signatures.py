@@ -112,10 +112,15 @@ def is_pem_public_key(path: Path) -> bool:
 
 
 def sign_dir(
-    root: Path, gpg_key: str | None = None, gnupg_home: str | None = None, pem_key: Path | None = None
+    root: Path,
+    gpg_key: str | None = None,
+    gnupg_home: str | None = None,
+    pem_key: Path | None = None,
+    manifest_data: dict[str, Any] | None = None,
 ) -> Path:
-    """Write the manifest of ``root`` and, with a key, its detached signature. Returns the manifest's path."""
-    manifest = write_manifest(Path(root))
+    """Write the manifest of ``root`` (``manifest_data``, or every file) and, with a key, its detached signature.
+    Returns the manifest's path."""
+    manifest = write_manifest(Path(root), manifest_data)
     if gpg_key:
         gpg_sign(manifest, gpg_key, gnupg_home)
     if pem_key:
