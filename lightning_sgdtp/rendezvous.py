@@ -4,7 +4,10 @@ The engine is torch's: a c10d ``TCPStore`` hosted by global rank 0 at ``MASTER_A
 ``torch.distributed.init_process_group`` on top of it. What we add is a separate, bounded wait for the
 rendezvous (``init_process_group`` alone would wait ``collective_timeout``, 30 minutes by default, on an
 unreachable address) and an error that names the address, the port and what to check.
-Under torchrun the agent hosts the store and has already gathered the ranks; we use it as is (``env://``).
+Under torchrun the agent hosts the store (every rank is a client) and keeps it across restarts: the keys of a
+failed attempt (gloo's listening addresses among them) are still there, and a restarted rank that read one
+would try to connect to a dead process. So the process group's keys are namespaced by attempt
+(``TORCHELASTIC_RESTART_COUNT``).
 """
 
 from __future__ import annotations
@@ -36,17 +39,15 @@ def init_process_group(
     os.environ["MASTER_ADDR"] = host
     os.environ["MASTER_PORT"] = str(port)
     timeout = timedelta(seconds=collective_timeout)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id)
-        return
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
-        store = dist.TCPStore(
+        store: dist.Store = dist.TCPStore(
             host,
             port,
             world_size,
-            is_master=rank == 0,
+            is_master=rank == 0 and not agent_store,
             timeout=timedelta(seconds=rendezvous_timeout),
-            wait_for_workers=True,
+            wait_for_workers=not agent_store,
         )
     except (dist.DistError, RuntimeError, OSError) as exc:
         lines = [line for line in str(exc).splitlines() if line.strip()]
@@ -62,6 +63,8 @@ def init_process_group(
             f" that port {port} is free there and not blocked by a firewall, and that all {world_size} ranks were"
             " launched (Trainer devices x num_nodes must match the launcher's tasks)."
         ) from exc
+    if agent_store:
+        store = dist.PrefixStore(f"sgdtp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
     )
