@@ -127,6 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--strict", action="store_true", help="exit 1 when an error is found")
     d.set_defaults(run=_diagnose)
 
+    doc = commands.add_parser(
+        "doctor",
+        help="can this machine run lightning-sgdtp? versions, builds, GPUs, backends, compilers; the fix for each",
+    )
+    doc.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    doc.add_argument("--env", type=Path, default=None, help="check a recorded environment (JSON) instead of probing")
+    doc.add_argument("--save", type=Path, default=None, help="write this machine's probed environment as JSON")
+    doc.set_defaults(run=_doctor)
+
     sign = commands.add_parser(
         "sign",
         help="write DIR/SGDTP-MANIFEST.json (path, size, SHA256 of every file) and, with a key, its signature",
@@ -145,6 +154,23 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--pem-public-key", type=Path, default=None, help="trusted key: a PEM public key")
     verify.set_defaults(run=_verify)
     return parser
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from lightning_sgdtp import doctor
+
+    env = json.loads(args.env.read_text()) if args.env else doctor.probe()
+    if args.save:
+        args.save.write_text(json.dumps(env, indent=1, sort_keys=True))
+    rows = doctor.check(env)
+    result = doctor.report(env, rows)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        doctor.render(env, rows)
+    return 0 if result["ok"] else 1
 
 
 def _sign(args: argparse.Namespace) -> int:
