@@ -51,6 +51,8 @@ class SGDTPConfig:
         trusted_key: A gpg keyring (checked with ``gpgv``) or a PEM public key: checkpoints must be signed by it.
         signing_key: Sign each checkpoint folder's manifest: ``"gpg:KEY"`` (a gpg key id, fingerprint or email;
             ``GNUPGHOME`` applies) or the path of a PEM private key.
+        compile_cache: A folder (shared by the nodes) for compiled-step bundles: one rank per node compiles, and
+            later jobs with the same model, layout and plan start warm. See ``docs/compile-cache.md``.
         pipeline_chunks, pipeline_stages, tensor_parallel_size: reserved; raise until they land.
     """
 
@@ -65,6 +67,7 @@ class SGDTPConfig:
     verify_artifacts: bool = True
     trusted_key: str | None = None
     signing_key: str | None = None
+    compile_cache: str | None = None
     pipeline_chunks: int | None = None
     pipeline_stages: int | None = None
     tensor_parallel_size: Any | None = None
@@ -110,6 +113,10 @@ class SGDTPConfig:
             raise SGDTPConfigError(
                 f"trusted_key={self.trusted_key!r} is not a file. Give a gpg keyring (gpg --export KEY > keyring.gpg)"
                 " or a PEM public key."
+            )
+        if self.compile_cache is not None and not isinstance(self.compile_cache, (str, Path)):
+            raise SGDTPConfigError(
+                f"compile_cache={self.compile_cache!r} must be a folder path, e.g. '/shared/sgdtp-cache'."
             )
         key = self.signing_key
         if key is not None and not (key.startswith("gpg:") and len(key) > 4) and not Path(key).is_file():

@@ -15,9 +15,13 @@ Loops, callbacks, logging and checkpoint files stay Lightning's; we own four thi
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import logging
 import os
+import sys
+import sysconfig
 import uuid
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -52,8 +56,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sgdtp import rendezvous
-from lightning_sgdtp.compiler.backend import SGDTPCompiler
-from lightning_sgdtp.compiler.buckets import GraphPlan
+from lightning_sgdtp.compile_cache import CompileCache
+from lightning_sgdtp.compiler.backend import PLAN_VERSION, SGDTPCompiler
+from lightning_sgdtp.compiler.buckets import Bucket, GraphPlan
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.faults import Liveness, RankLostError, is_distributed_error
 from lightning_sgdtp.ledger import BackwardRecord, GradLedger, walk_autograd_graph
@@ -71,6 +76,8 @@ from lightning_sgdtp.trust.manifest import record_files
 log = logging.getLogger("lightning.pytorch.sgdtp")
 
 PLAN_FILENAME = "sgdtp_plan.json"
+# The options that change the compiled graphs (part of the compile cache's key).
+PLAN_FIELDS = ("parallelism", "bucket_cap_mb", "grad_comm_dtype", "overlap", "activation_checkpointing")
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
@@ -164,6 +171,7 @@ class SGDTPStrategy(ParallelStrategy):
         verify_artifacts: bool | None = None,
         trusted_key: str | None = None,
         signing_key: str | None = None,
+        compile_cache: str | None = None,
         pipeline_chunks: int | None = None,
         pipeline_stages: int | None = None,
         tensor_parallel_size: Any | None = None,
@@ -187,6 +195,7 @@ class SGDTPStrategy(ParallelStrategy):
             "verify_artifacts": verify_artifacts,
             "trusted_key": trusted_key,
             "signing_key": signing_key,
+            "compile_cache": compile_cache,
             "pipeline_chunks": pipeline_chunks,
             "pipeline_stages": pipeline_stages,
             "tensor_parallel_size": tensor_parallel_size,
@@ -221,6 +230,9 @@ class SGDTPStrategy(ParallelStrategy):
         self._fallback_params: list[str] = []
         self._compiled_for: tuple[int, bool] | None = None
         self._liveness: Liveness | None = None
+        self._compile_cache: CompileCache | None = None
+        self._cache_published = False
+        self._announced: set[int] = set()
         self._preemption: PreemptionSignal | None = None
         self._stop_agreed = False
 
@@ -289,6 +301,10 @@ class SGDTPStrategy(ParallelStrategy):
         """Everything the plugin decided, as plain data (also written to ``sgdtp_plan.json`` next to the logs)."""
         compiler, ledger = self._compiler, self._ledger
         graphs = [p.to_dict() for p in compiler.plans] if compiler else []
+        if self._compile_cache is not None:  # graphs taken from the cache did not run the pass: their recorded plan
+            merged = {d["graph_id"]: d for d in self._compile_cache.recorded_plans()}
+            merged.update({d["graph_id"]: d for d in graphs})
+            graphs = [merged[k] for k in sorted(merged)]
         in_graph = ledger.graph_bytes_last_step if ledger else 0
         fallback = ledger.fallback_bytes_last_step if ledger else 0
         return {
@@ -448,6 +464,8 @@ class SGDTPStrategy(ParallelStrategy):
             wire = getattr(torch, self._config.comm_dtype_name) if self._config.comm_dtype_name else None
             self._ledger = GradLedger(module.named_parameters(), None, self._config.bucket_cap_bytes, wire)
             self._breaks_at_setup = _graph_break_counts()
+        if self._config.compile_cache is not None:
+            self._setup_compile_cache(module, in_graph)
         if self.world_size == 1:
             self._say("one process: nothing to communicate; the step is compiled without collectives")
         elif in_graph:
@@ -461,6 +479,41 @@ class SGDTPStrategy(ParallelStrategy):
                 f"accumulate_grad_batches={accumulate}: graphs compiled without collectives; one bucketed sync"
                 " after the last micro-batch of each optimizer step (none on the others)"
             )
+
+    def _setup_compile_cache(self, module: pl.LightningModule, in_graph: bool) -> None:
+        """Key the bundle by what makes compiled artifacts valid; load it if it verifies; lock compiles."""
+        assert self._compiler is not None and self._config.compile_cache is not None
+        cls = type(module)
+        try:
+            source = Path(inspect.getsourcefile(cls) or "").read_bytes()
+        except (OSError, TypeError):
+            source = b""
+        device = self.root_device
+        fields = {
+            "sgdtp": PLAN_VERSION,
+            "torch": torch.__version__,
+            "python": sys.implementation.cache_tag,
+            "platform": sysconfig.get_platform(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+            "layout": {"world_size": self.world_size, "num_nodes": self.num_nodes, "devices": self.num_processes},
+            "backend": self._process_group_backend,
+            "groups": [dist.group.WORLD.group_name] if _distributed_is_initialized() else [],
+            "plan": {k: self._config.to_dict()[k] for k in PLAN_FIELDS} | {"in_graph_sync": in_graph},
+            "module": f"{cls.__module__}.{cls.__qualname__}",
+            "module_source_sha256": hashlib.sha256(source).hexdigest(),
+            # The same code with other sizes compiles other graphs: a bundle is for these parameters only.
+            "parameters_sha256": hashlib.sha256(
+                json.dumps([(n, list(p.shape), str(p.dtype)) for n, p in module.named_parameters()]).encode()
+            ).hexdigest(),
+        }
+        cache = CompileCache(
+            Path(self._config.compile_cache), fields, self._config.trusted_key, self._config.signing_key
+        )
+        message = cache.prepare()
+        self._say(message)
+        self._compile_cache = cache
+        self._compiler.compile_lock = cache.lock
+        self._compiler.aot_cache = True
 
     def _compiled(self, hook: str) -> Callable:
         step = self._compiled_steps.get(hook)
@@ -555,6 +608,12 @@ class SGDTPStrategy(ParallelStrategy):
                     " parameters (reentrant activation checkpointing: use use_reentrant=False)."
                 )
             self._publish_plan()
+            cache = self._compile_cache
+            if cache is not None and self.global_rank == 0 and not self._cache_published:
+                self._cache_published = True  # once, after the first step: every graph of the step is compiled
+                message = cache.publish()
+                if message:
+                    self._say(message)
         return out
 
     # ---------------------------------------------------------------------------------------------- plan
@@ -563,14 +622,20 @@ class SGDTPStrategy(ParallelStrategy):
             log.info(f"sgdtp: {message}")
 
     def _on_graph_plan(self, plan: GraphPlan) -> None:
+        if self._compile_cache is not None:
+            self._compile_cache.record_plan(plan.to_dict())
+        self._announce(plan)
+
+    def _announce(self, plan: GraphPlan, origin: str = "captured") -> None:
+        self._announced.add(plan.graph_id)
         if not plan.in_graph_sync:
             self._say(
-                f"graph {plan.graph_id} captured: {len(plan.params)} parameter gradients, no in-graph collectives"
+                f"graph {plan.graph_id} {origin}: {len(plan.params)} parameter gradients, no in-graph collectives"
             )
             return
         sizes = ", ".join(_size(b.wire_bytes) for b in plan.buckets)
         self._say(
-            f"graph {plan.graph_id} captured: {len(plan.params)} parameter gradients in {len(plan.buckets)} bucket(s)"
+            f"graph {plan.graph_id} {origin}: {len(plan.params)} parameter gradients in {len(plan.buckets)} bucket(s)"
             f" [{sizes}], {_size(plan.wire_bytes)} all-reduced per backward"
         )
 
@@ -583,6 +648,9 @@ class SGDTPStrategy(ParallelStrategy):
                     self._say(f"graph break: {short}")
                 self._graph_breaks[short] = new
         plan = self.plan
+        for graph in plan["graphs"]:
+            if graph["graph_id"] not in self._announced:
+                self._announce(_plan_from_dict(graph), origin="taken from the compile cache")
         text = json.dumps(plan, indent=2, sort_keys=True, default=str)
         key = json.dumps({k: plan[k] for k in ("graphs", "fallback_params", "grad_sync")}, sort_keys=True, default=str)
         if self.global_rank != 0 or key == self._written_plan:
@@ -746,6 +814,12 @@ def _bookkeeping_hooks(module: torch.nn.Module, installed: bool = False) -> list
     hooks: list[tuple[Any, str]] = [(module, "log"), (module, "log_dict")]
     hooks += [(m, "forward") for m in module.modules() if isinstance(m, Metric)]
     return [(owner, hook) for owner, hook in hooks if (hook in owner.__dict__) == installed]
+
+
+def _plan_from_dict(d: dict[str, Any]) -> GraphPlan:
+    buckets = [Bucket(**{k: v for k, v in b.items() if k in Bucket.__dataclass_fields__}) for b in d["buckets"]]
+    fields = {k: v for k, v in d.items() if k in GraphPlan.__dataclass_fields__ and k != "buckets"}
+    return GraphPlan(**fields, buckets=buckets)
 
 
 def _graph_break_counts() -> dict[str, int]:

@@ -9,8 +9,9 @@ Inductor compile the result with its compute/communication overlap scheduling sw
 Two details that cost correctness if missed:
 
 - AOTAutograd's cache can hand back a backward compiled earlier (for example by plain Inductor) without
-  our collectives; gradients would then silently not be synced. We switch that cache off for our
-  compiles and salt Inductor's FX-graph cache key with the plan (``_CacheSalt``).
+  our collectives; gradients would then silently not be synced. We salt the cache keys with the plan
+  (``_CacheSalt``, part of the Inductor config both caches hash), and keep AOTAutograd's cache off unless
+  the strategy's compile cache asks for it (a hit skips our pass: the plan is then restored from the cache).
 - Inductor's default scheduling pulls each ``wait_tensor`` right after its all-reduce. The overlap
   passes (``sink_waits_iterative`` and friends) keep the waits where the pass put them.
 """
@@ -84,6 +85,12 @@ class SGDTPCompiler:
         self.plans: list[GraphPlan] = []
         self.graph_param_ids: set[int] = set()
         self._ids = itertools.count()
+        #: Held around every compile (``compile_cache``: one rank of a node compiles, the others then hit the
+        #: node's cache). Taken per compile, never across a collective.
+        self.compile_lock: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        #: AOTAutograd's cache: off by default (a hit skips this backend's pass, so no plan is reported; the
+        #: salt keeps other compilers' entries out). The compile cache switches it on and restores the plans.
+        self.aot_cache = False
 
     def _group(self) -> tuple[str | None, int]:
         if not (dist.is_available() and dist.is_initialized()):
@@ -110,7 +117,8 @@ class SGDTPCompiler:
 
         def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
             if not kwargs.get("is_backward") or not grad_outputs:
-                return compile_fx_inner(g, inputs, **kwargs)
+                with self.compile_lock():
+                    return compile_fx_inner(g, inputs, **kwargs)
             outputs = g.graph.output_node().args[0]
             if len(outputs) != len(placeholders):
                 raise RuntimeError(
@@ -145,12 +153,14 @@ class SGDTPCompiler:
                 "reorder_for_compute_comm_overlap_passes": OVERLAP_PASSES,
             }
             with (
+                self.compile_lock(),  # the backward is compiled lazily, at the first backward: lock here too
                 _salted(salt),
                 torch._inductor.config.patch(overlap) if sync and cfg.overlap else contextlib.nullcontext(),
             ):
                 return compile_fx_inner(g, inputs, **kwargs)
 
-        with _salted(salt), torch._functorch.config.patch(enable_autograd_cache=False):
+        aot_cache = torch._functorch.config.patch(enable_autograd_cache=self.aot_cache)
+        with self.compile_lock(), _salted(salt), aot_cache:
             return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.inductor_patches)
 
 
