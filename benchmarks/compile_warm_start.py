@@ -55,9 +55,7 @@ def job(args: argparse.Namespace) -> None:
                 now = time.time()
                 result = {"first_step_s": now - self.t0, "from_launch_s": now - START}
                 if os.environ.get("SGDTP_BENCH_PROFILE"):
-                    from torch._dynamo.utils import compile_times
-
-                    from torch._dynamo.utils import counters
+                    from torch._dynamo.utils import compile_times, counters
 
                     print(compile_times(repr="str", aggregate=True), flush=True)
                     print("inductor counters:", dict(counters["inductor"]), flush=True)
