@@ -227,3 +227,13 @@ def test_signed_checkpoints_need_the_trusted_key(tmp_path: Path) -> None:
     unsigned = tmp_path / "unsigned"
     assert _job(unsigned, "train") == "RESULT ok 2"
     assert _job(unsigned, "resume", trusted_key=str(public)) == f"RESULT refused signature {MANIFEST} unpickled: 0"
+
+
+def test_a_save_never_fails_on_an_unreadable_manifest(tmp_path: Path) -> None:
+    """The checkpoint writer rebuilds a broken manifest (listing what it writes) instead of failing the save."""
+    from lightning_sgdtp.trust.manifest import record_files
+
+    (tmp_path / MANIFEST).write_text("{not json")
+    (tmp_path / "last.ckpt").write_bytes(b"x" * 10)
+    manifest = record_files(tmp_path, ["last.ckpt"])
+    assert [e["path"] for e in manifest["files"]] == ["last.ckpt"] and manifest["files"][0]["size"] == 10

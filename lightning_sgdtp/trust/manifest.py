@@ -75,7 +75,10 @@ def record_files(root: Path, changed: Iterable[str]) -> dict[str, Any]:
     """The folder's manifest with ``changed`` files (re)hashed and entries of deleted files dropped; nothing else
     in the folder is read. How a checkpoint writer keeps the manifest of the files it wrote, one save at a time."""
     root = Path(root)
-    old = read_manifest(root) if (root / MANIFEST).exists() else {"format": FORMAT, "files": []}
+    try:
+        old = read_manifest(root) if (root / MANIFEST).exists() else {"format": FORMAT, "files": []}
+    except ArtifactVerificationError:  # unreadable: start afresh rather than fail a save (it lists only new files)
+        old = {"format": FORMAT, "files": []}
     entries = {e["path"]: e for e in old["files"] if (root / e["path"]).is_file()}
     for rel in changed:
         path = root / rel
