@@ -130,7 +130,10 @@ class Liveness:
                 self._end_stuck_rank(store)
 
     def _end_stuck_rank(self, store: dist.TCPStore) -> None:
-        peers = self._read_peers(store)
+        try:
+            peers = self._read_peers(store)
+        except _STORE_ERRORS:  # rank 0 has left with the store: the failure was seen, its details are gone
+            peers = {}
         blamed = "; ".join(_describe(p) for p in peers.values() if p.failure) or "another rank failed"
         message = (
             f"sgdtp: rank {self.rank} is ending itself: the job has failed ({blamed}) and this rank has not"
