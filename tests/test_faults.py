@@ -29,11 +29,16 @@ EXPECT = {
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    """Is any process of session/group ``pgid`` still running? Zombies (dead, not yet reaped by init) do not count."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state != "Z":
+            return True
+    return False
 
 
 @pytest.mark.parametrize("mode", ["kill", "raise", "hang"])
@@ -113,3 +118,29 @@ def test_torchrun_world_size_not_matching_devices_fails_before_the_rendezvous(tm
     assert not timed_out and proc.returncode != 0, out[-3000:]
     assert "You set `devices=1` and `num_nodes=1` in Lightning, but the product (1 * 1) does not match the world" in out
     assert "Initializing distributed" not in out, "the processes should fail before the rendezvous"
+
+
+def test_a_killed_child_of_lightnings_own_launch_ends_the_job(tmp_path: Path) -> None:
+    """`python train.py` with devices=3: Lightning starts ranks 1 and 2 itself. Killing rank 1 ends the whole job
+    (rank 0's observer or the strategy, whichever comes first) in bounded time, with rank 1 named."""
+    env = job_env(SGDTP_TEST_TIMEOUT=str(TIMEOUT), SGDTP_TEST_WORLD="1", SGDTP_TEST_DEVICES="3")
+    proc = start([sys.executable, str(JOBS / "faults.py"), "kill", "1", str(tmp_path)], env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not all((tmp_path / f"step-{r}").exists() for r in range(3)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job never reached step 3"
+            time.sleep(0.1)
+        os.kill(int((tmp_path / "step-1").read_text()), signal.SIGKILL)
+        struck = time.monotonic()
+        while proc.poll() is None and time.monotonic() - struck < BOUND["kill"] + 30:
+            time.sleep(0.1)
+        elapsed = time.monotonic() - struck
+        time.sleep(1.0)
+        left = _group_alive(proc.pid)
+    finally:
+        out = finish(proc, 10)[0]
+    assert proc.returncode != 0 and elapsed <= BOUND["kill"], (
+        f"rc={proc.returncode} after {elapsed:.1f} s:\n{out[-3000:]}"
+    )
+    assert "[rank: 1] Child process" in out or "rank 1 (host" in out, out[-3000:]
+    assert not left, "processes of the job were left behind"

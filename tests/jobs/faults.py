@@ -1,7 +1,7 @@
 """Fault injection: one rank of a running job is killed, raises, or hangs; the others must end, bounded.
 
 Usage: python tests/jobs/faults.py {kill|raise|hang} VICTIM OUT_DIR. Launched once per simulated node
-(NODE_RANK=i, devices=1, num_nodes=WORLD). Every rank writes OUT_DIR/step-RANK when it reaches step 3, so the
+(NODE_RANK=i, devices=1, num_nodes=WORLD), or started by Lightning (SGDTP_TEST_DEVICES=N, one node). Every rank writes OUT_DIR/step-RANK when it reaches step 3, so the
 test knows when to strike; with ``raise``/``hang`` the victim does it itself at step 3.
 """
 
@@ -48,7 +48,7 @@ if __name__ == "__main__":
             rendezvous_timeout=float(os.environ.get("SGDTP_TEST_RENDEZVOUS", "300")),
         ),
         accelerator="cpu",
-        devices=1,
+        devices=int(os.environ.get("SGDTP_TEST_DEVICES", "1")),
         num_nodes=world,
         max_steps=10_000,
         logger=False,
