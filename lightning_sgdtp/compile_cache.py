@@ -30,7 +30,8 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
-from lightning_sgdtp.trust import ArtifactVerificationError, sign_dir, verify_dir
+from lightning_sgdtp.trust import ArtifactVerificationError, verify_dir
+from lightning_sgdtp.trust.signatures import sign_with
 
 LOCK = "sgdtp-compile.lock"
 LOADED = "sgdtp-bundle-loaded"
@@ -62,6 +63,7 @@ class CompileCache:
         self.local_dir = Path(local_dir or env_dir or Path(tempfile.gettempdir()) / f"sgdtp-inductor-{self.key[:16]}")
         self.warm = False
         self.rejected = False  # the bundle failed verification: this job replaces it
+        self._plans: tuple[int, list[dict[str, Any]]] = (-1, [])  # (folder mtime, plans) read last
         self._depth = threading.local()
 
     # ----------------------------------------------------------------------------------------------- lock
@@ -126,9 +128,14 @@ class CompileCache:
         os.replace(tmp, target)
 
     def recorded_plans(self) -> list[dict[str, Any]]:
+        """The plans recorded on this node. Asked every optimizer step: the files are read again only when the
+        folder changed (a rank recorded a new graph), else this is one ``stat``."""
         folder = self.local_dir / "sgdtp-plans"
-        files = sorted(folder.glob("*.json"), key=lambda p: int(p.stem)) if folder.is_dir() else []
-        return [json.loads(p.read_text()) for p in files]
+        mtime = folder.stat().st_mtime_ns if folder.is_dir() else -1
+        if mtime != self._plans[0]:
+            files = sorted(folder.glob("*.json"), key=lambda p: int(p.stem)) if mtime != -1 else []
+            self._plans = (mtime, [json.loads(p.read_text()) for p in files])
+        return self._plans[1]
 
     # -------------------------------------------------------------------------------------------- publish
     def publish(self) -> str | None:
@@ -146,9 +153,7 @@ class CompileCache:
                         (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                         shutil.copy2(src, tmp / rel)
             (tmp / FIELDS).write_text(json.dumps(self.fields, indent=1, sort_keys=True, default=str))
-            key = self.signing_key
-            gpg_key = key[len("gpg:") :] if key and key.startswith("gpg:") else None
-            sign_dir(tmp, gpg_key=gpg_key, pem_key=Path(key) if key and gpg_key is None else None)
+            sign_with(tmp, self.signing_key)
             _fsync_tree(tmp)
             if self.rejected and self.bundle.exists():
                 os.rename(self.bundle, self.root / f".{self.key}.rejected-{os.getpid()}")

@@ -69,8 +69,9 @@ from lightning_sgdtp.parallel.checkpointing import (
 )
 from lightning_sgdtp.preemption import Preempted, PreemptionSignal, requeue_slurm_job
 from lightning_sgdtp.resume import ResumableLoader
-from lightning_sgdtp.trust import sign_dir, verify_dir
+from lightning_sgdtp.trust import verify_dir
 from lightning_sgdtp.trust.manifest import record_files
+from lightning_sgdtp.trust.signatures import sign_with
 
 # A child of Lightning's logger: shown wherever Lightning's own info lines are, silenced with them.
 log = logging.getLogger("lightning.pytorch.sgdtp")
@@ -132,11 +133,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def _record(self, target: Path) -> None:
         """Update (and sign) the folder's manifest for the file just written or removed."""
-        manifest = record_files(target.parent, [target.name])
-        key = self.signing_key
-        gpg_key = key[len("gpg:") :] if key and key.startswith("gpg:") else None
-        pem_key = Path(key) if key and gpg_key is None else None
-        sign_dir(target.parent, gpg_key=gpg_key, pem_key=pem_key, manifest_data=manifest)
+        sign_with(target.parent, self.signing_key, record_files(target.parent, [target.name]))
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -34,6 +34,11 @@ def _is_listed(name: str) -> bool:
     return not (name.startswith(MANIFEST) or (name.startswith(".") and ".tmp-" in name))
 
 
+def _entry(root: Path, rel: str) -> dict[str, Any]:
+    stat = (root / rel).stat()
+    return {"path": rel, "size": stat.st_size, "sha256": sha256_file(root / rel), "mtime_ns": stat.st_mtime_ns}
+
+
 def _listed_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and _is_listed(p.name))
 
@@ -50,7 +55,7 @@ def build_manifest(root: Path, entries: dict[str, dict[str, Any]] | None = None)
         if known and known["size"] == stat.st_size and known.get("mtime_ns") == stat.st_mtime_ns:
             files.append(known)
             continue
-        files.append({"path": rel, "size": stat.st_size, "sha256": sha256_file(path), "mtime_ns": stat.st_mtime_ns})
+        files.append(_entry(root, rel))
     return {"format": FORMAT, "files": files}
 
 
@@ -81,15 +86,8 @@ def record_files(root: Path, changed: Iterable[str]) -> dict[str, Any]:
         old = {"format": FORMAT, "files": []}
     entries = {e["path"]: e for e in old["files"] if (root / e["path"]).is_file()}
     for rel in changed:
-        path = root / rel
-        if path.is_file():
-            stat = path.stat()
-            entries[rel] = {
-                "path": rel,
-                "size": stat.st_size,
-                "sha256": sha256_file(path),
-                "mtime_ns": stat.st_mtime_ns,
-            }
+        if (root / rel).is_file():
+            entries[rel] = _entry(root, rel)
         else:
             entries.pop(rel, None)
     return {"format": FORMAT, "files": [entries[k] for k in sorted(entries)]}

@@ -128,6 +128,14 @@ def sign_dir(
     return manifest
 
 
+def sign_with(root: Path, signing_key: str | None, manifest_data: dict[str, Any] | None = None) -> Path:
+    """:func:`sign_dir` with the strategy's ``signing_key`` form: ``"gpg:KEY"``, a PEM private key's path, or None
+    (manifest only)."""
+    gpg_key = signing_key.removeprefix("gpg:") if signing_key and signing_key.startswith("gpg:") else None
+    pem_key = Path(signing_key) if signing_key and gpg_key is None else None
+    return sign_dir(root, gpg_key=gpg_key, pem_key=pem_key, manifest_data=manifest_data)
+
+
 def verify_dir(root: Path, trusted: Path | None = None, only: list[str] | None = None) -> None:
     """Verify ``root``: the manifest's signature against ``trusted`` (a gpg keyring, or a PEM public key) when
     given, then the size and SHA256 of ``only`` these files (default: all files, and no others)."""
