@@ -41,9 +41,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        # (B, T, 3C) -> (B, n_head, T, 3 * head_dim) -> q, k, v of (B, n_head, T, head_dim). Each head's q, k and v
+        # sit side by side in the fused projection (Megatron's layout): split by output features for tensor
+        # parallelism, it splits by head, and attention then needs no communication.
+        qkv = self.qkv(x).view(b, t, self.n_head, 3 * (c // self.n_head)).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)
         dropout_p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(b, t, c)

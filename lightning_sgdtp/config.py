@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 PARALLELISMS = ("data", "tensor", "hybrid")
-AVAILABLE_PARALLELISMS = ("data",)
+AVAILABLE_PARALLELISMS = ("data", "tensor", "hybrid")
+TP_STYLES = ("colwise", "rowwise", "colwise_gather", "replicate")
 GRAD_COMM_DTYPES = {"fp32": None, "float32": None, "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
@@ -31,7 +32,9 @@ class SGDTPConfig:
     """What the user asked for. See ``docs/options.md`` for every field with an example.
 
     Args:
-        parallelism: ``"data"``. (``"tensor"`` and ``"hybrid"`` are reserved and raise until they land.)
+        parallelism: ``"data"`` (every rank a replica), ``"tensor"`` (every rank holds a slice of each split layer:
+            one tensor-parallel group of all ranks) or ``"hybrid"`` (a 2-D mesh: data parallel across groups of
+            ``tensor_parallel_size`` ranks). See ``docs/tensor-parallel.md``.
         bucket_cap_mb: Upper bound of one fused gradient all-reduce, in MiB (like DDP's ``bucket_cap_mb``).
         grad_comm_dtype: ``None`` (communicate in the gradient's dtype) or ``"bf16"``: halves the bytes sent;
             lossy (gradients are rounded to bfloat16 before the sum).
@@ -53,7 +56,12 @@ class SGDTPConfig:
             ``GNUPGHOME`` applies) or the path of a PEM private key.
         compile_cache: A folder (shared by the nodes) for compiled-step bundles: one rank per node compiles, and
             later jobs with the same model, layout and plan start warm. See ``docs/compile-cache.md``.
-        pipeline_chunks, pipeline_stages, tensor_parallel_size: reserved; raise until they land.
+        tensor_parallel_size: ranks per tensor-parallel group (``"tensor"``/``"hybrid"``): an int, or ``"auto"``
+            (the default): all ranks for ``"tensor"``, one fast-link island for ``"hybrid"`` (an NVLink group;
+            on CPU, one node).
+        tp_plan: ``{glob over module names: style}`` replacing the automatic tensor-parallel plan; styles
+            ``"colwise"``, ``"rowwise"``, ``"colwise_gather"``, ``"replicate"``.
+        pipeline_chunks, pipeline_stages: reserved; raise until they land.
     """
 
     parallelism: Literal["data", "tensor", "hybrid"] = "data"
@@ -71,6 +79,7 @@ class SGDTPConfig:
     pipeline_chunks: int | None = None
     pipeline_stages: int | None = None
     tensor_parallel_size: Any | None = None
+    tp_plan: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.parallelism not in PARALLELISMS:
@@ -83,12 +92,13 @@ class SGDTPConfig:
                 f"parallelism={self.parallelism!r} is not available yet in this release of lightning-sgdtp"
                 " (only 'data' is). Use parallelism='data' for now."
             )
-        for name in ("pipeline_chunks", "pipeline_stages", "tensor_parallel_size"):
+        for name in ("pipeline_chunks", "pipeline_stages"):
             if getattr(self, name) is not None:
                 raise NotAvailableYetError(
                     f"{name}={getattr(self, name)!r} is not available yet in this release of lightning-sgdtp:"
-                    f" pipeline and tensor parallelism have not landed. Remove {name} to train data-parallel."
+                    f" pipeline parallelism has not landed. Remove {name}."
                 )
+        self._check_tensor_parallel()
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
             raise SGDTPConfigError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be a number of MiB, e.g. 25.")
         if not self.bucket_cap_mb > 0:
@@ -124,6 +134,34 @@ class SGDTPConfig:
                 f"signing_key={key!r} is neither 'gpg:KEY' (a gpg key id, fingerprint or email) nor a PEM private key"
                 " file."
             )
+
+    def _check_tensor_parallel(self) -> None:
+        size, plan = self.tensor_parallel_size, self.tp_plan
+        if self.parallelism == "data":
+            for name, value in (("tensor_parallel_size", size), ("tp_plan", plan)):
+                if value is not None:
+                    raise SGDTPConfigError(
+                        f"{name}={value!r} needs tensor parallelism: set parallelism='tensor' or 'hybrid' (or remove"
+                        f" {name} to train data-parallel)."
+                    )
+            return
+        if size is not None and size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise SGDTPConfigError(
+                f"tensor_parallel_size={size!r} must be a positive int (ranks per tensor-parallel group, e.g. 2) or"
+                " 'auto' (one fast-link island: an NVLink group, or one node on CPU)."
+            )
+        if plan is None:
+            return
+        if not isinstance(plan, dict) or not plan:
+            raise SGDTPConfigError(
+                f"tp_plan={plan!r} must be a non-empty dict of module-name globs to styles, e.g."
+                " {'blocks.*.attn.qkv': 'colwise', 'blocks.*.attn.proj': 'rowwise'}."
+            )
+        for pattern, style in plan.items():
+            if not isinstance(pattern, str) or style not in TP_STYLES:
+                raise SGDTPConfigError(
+                    f"tp_plan[{pattern!r}] = {style!r}: keys are globs over module names, values one of {TP_STYLES}."
+                )
 
     @property
     def bucket_cap_bytes(self) -> int:

@@ -55,17 +55,27 @@ from torch.distributed.utils import _sync_module_states, _sync_params_and_buffer
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sgdtp import rendezvous
+from lightning_sgdtp import rendezvous, topology
+from lightning_sgdtp import sharded_checkpoint as sharded
 from lightning_sgdtp.compile_cache import CompileCache
 from lightning_sgdtp.compiler.backend import PLAN_VERSION, SGDTPCompiler
 from lightning_sgdtp.compiler.buckets import Bucket, GraphPlan
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.faults import Liveness, RankLostError, is_distributed_error
 from lightning_sgdtp.ledger import BackwardRecord, GradLedger, walk_autograd_graph
+from lightning_sgdtp.mesh import ParallelDims
 from lightning_sgdtp.parallel.checkpointing import (
     apply_activation_checkpointing,
     find_block_stack,
     no_block_stack_message,
+)
+from lightning_sgdtp.parallel.clipping import clip_grad_norm_
+from lightning_sgdtp.parallel.tensor import (
+    TensorPlan,
+    TensorPlanError,
+    apply_tensor_parallel,
+    auto_plan,
+    resolve_plan,
 )
 from lightning_sgdtp.preemption import Preempted, PreemptionSignal, requeue_slurm_job
 from lightning_sgdtp.resume import ResumableLoader
@@ -78,7 +88,15 @@ log = logging.getLogger("lightning.pytorch.sgdtp")
 
 PLAN_FILENAME = "sgdtp_plan.json"
 # The options that change the compiled graphs (part of the compile cache's key).
-PLAN_FIELDS = ("parallelism", "bucket_cap_mb", "grad_comm_dtype", "overlap", "activation_checkpointing")
+PLAN_FIELDS = (
+    "parallelism",
+    "bucket_cap_mb",
+    "grad_comm_dtype",
+    "overlap",
+    "activation_checkpointing",
+    "tensor_parallel_size",
+    "tp_plan",
+)
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
@@ -172,6 +190,7 @@ class SGDTPStrategy(ParallelStrategy):
         pipeline_chunks: int | None = None,
         pipeline_stages: int | None = None,
         tensor_parallel_size: Any | None = None,
+        tp_plan: dict[str, str] | None = None,
         options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -196,6 +215,7 @@ class SGDTPStrategy(ParallelStrategy):
             "pipeline_chunks": pipeline_chunks,
             "pipeline_stages": pipeline_stages,
             "tensor_parallel_size": tensor_parallel_size,
+            "tp_plan": tp_plan,
         }
         # Validate first: a bad option fails here, in the launching process, before anything is spawned.
         self._config = SGDTPConfig.from_options(options, **{k: v for k, v in given.items() if v is not None})
@@ -232,6 +252,14 @@ class SGDTPStrategy(ParallelStrategy):
         self._announced: set[int] = set()
         self._preemption: PreemptionSignal | None = None
         self._stop_agreed = False
+        # The mesh (tensor / hybrid): sizes, the rank grid, this rank's place in it, the plan applied.
+        self._dims: ParallelDims | None = None
+        self._layout: list[list[int]] | None = None
+        self._mesh: Any | None = None
+        self._dp_rank = 0
+        self._tp_plan: TensorPlan | None = None
+        # A checkpoint's model and optimizer states were loaded by the strategy itself (sharded or resharded).
+        self._states_loaded = False
 
     # ----------------------------------------------------------------------------------------- properties
     @property
@@ -277,13 +305,34 @@ class SGDTPStrategy(ParallelStrategy):
 
     @property
     def dp_size(self) -> int:
-        return self.num_nodes * self.num_processes
+        return self._dims.dp if self._dims is not None else self.num_nodes * self.num_processes
+
+    @property
+    def device_mesh(self) -> Any | None:
+        """The 2-D ``DeviceMesh`` (``"dp"``, ``"tp"``) of ``parallelism="tensor"``/``"hybrid"``; None for data."""
+        return self._mesh
+
+    @property
+    def _dp_group(self) -> dist.ProcessGroup | None:
+        return self._mesh["dp"].get_group() if self._mesh is not None else None
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Sized by the data-parallel group (today: every rank is a data-parallel replica).
-        return {"num_replicas": self.dp_size, "rank": self.global_rank}
+        # Sized by the data-parallel group: the ranks of one tensor-parallel group read the same batches.
+        rank = self._dp_rank if self._dims is not None else self.global_rank
+        return {"num_replicas": self.dp_size, "rank": rank}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Load into the model as it is laid out for training (split across ranks, optimizers created).
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return not self._states_loaded
 
     @property
     def process_group_backend(self) -> str | None:
@@ -308,6 +357,9 @@ class SGDTPStrategy(ParallelStrategy):
             "parallelism": self._config.parallelism,
             "world_size": self.world_size,
             "dp_size": self.dp_size,
+            "tp_size": self._dims.tp if self._dims is not None else 1,
+            "mesh_layout": self._layout,
+            "tensor_parallel_plan": self._tp_plan.to_dict() if self._tp_plan is not None else None,
             "num_nodes": self.num_nodes,
             "process_group_backend": self._process_group_backend,
             "config": self._config.to_dict(),
@@ -337,6 +389,14 @@ class SGDTPStrategy(ParallelStrategy):
                 " broadcast from rank 0 each step, as broadcast_buffers=True), or use strategy='ddp'."
             )
         assert self.cluster_environment is not None
+        if self._config.parallelism != "data":  # sizes that cannot work fail here, before any process starts
+            ParallelDims.resolve(
+                self._config.parallelism,
+                self._config.tensor_parallel_size,
+                self.num_nodes * self.num_processes,
+                self.num_processes,
+                None,
+            )
         # Always, as DDPStrategy: with processes started by SLURM or torchrun the launcher starts nothing, but it
         # checks devices / num_nodes against the launcher's tasks before anything else happens.
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -394,6 +454,30 @@ class SGDTPStrategy(ParallelStrategy):
                 env.main_address, env.main_port, self.global_rank, expected, key[0], self._config.collective_timeout
             )
             self._liveness.start()
+        if self._config.parallelism != "data" and self._mesh is None:
+            self._setup_mesh()
+
+    def _setup_mesh(self) -> None:
+        """Sizes from the topology, tensor-parallel groups on the fastest links, the 2-D ``DeviceMesh``."""
+        device_type = self.root_device.type
+        topo = topology.detect(device_type, self.num_processes, self.num_nodes)
+        dims = ParallelDims.resolve(
+            self._config.parallelism, self._config.tensor_parallel_size, self.world_size, self.num_processes, topo
+        )
+        layout = dims.layout(topo)
+        self._mesh = dims.build_mesh(device_type, layout)
+        self._dims, self._layout = dims, layout
+        self._dp_rank = dims.coordinates(layout, self.global_rank)[0]
+        self._say(f"topology: {topo.describe()}")
+        self._say(
+            f"mesh dp={dims.dp} x tp={dims.tp}: tensor-parallel groups {layout} (rows, each inside one node);"
+            f" data parallel across rows"
+            + (
+                " (tensor_parallel_size='auto': one fast-link island)"
+                if self._config.tensor_parallel_size in (None, "auto")
+                else ""
+            )
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -409,7 +493,10 @@ class SGDTPStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # Every replica starts from rank 0's weights and buffers, as with DDP.
-        _sync_module_states(self.model, _group.WORLD, 250 * 2**20, src=0, params_and_buffers_to_ignore=set())
+        if not _is_split(self.model):
+            _sync_module_states(self.model, _group.WORLD, 250 * 2**20, src=0, params_and_buffers_to_ignore=set())
+        if self._mesh is not None:
+            self._apply_tensor_parallel()
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_training(trainer)
             self.setup_optimizers(trainer)
@@ -424,6 +511,28 @@ class SGDTPStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _apply_tensor_parallel(self) -> None:
+        """Plan (automatic, or ``tp_plan``), split the module over the ``tp`` mesh, clip by the global norm."""
+        module = self.lightning_module
+        assert module is not None and self._dims is not None and self._mesh is not None
+        if _is_split(module):  # fit, then validate/test on the same module: split once
+            return
+        tp = self._dims.tp
+        try:
+            plan = resolve_plan(module, self._config.tp_plan, tp) if self._config.tp_plan else auto_plan(module, tp)
+        except TensorPlanError as exc:
+            raise SGDTPConfigError(str(exc)) from exc
+        apply_tensor_parallel(module, plan, self._mesh["tp"])
+        self._tp_plan = plan
+        for line in plan.describe():
+            self._say(line)
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+            clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # the norm over every shard, not this rank's
 
     def _setup_training(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
@@ -456,15 +565,18 @@ class SGDTPStrategy(ParallelStrategy):
             self._compiled_steps.clear()
             self._compiled_for = key
             names = {id(p): n for n, p in module.named_parameters()}
-            self._compiler = SGDTPCompiler(self._config, group=None, param_names=names, on_plan=self._on_graph_plan)
+            group = self._dp_group
+            self._compiler = SGDTPCompiler(self._config, group=group, param_names=names, on_plan=self._on_graph_plan)
             self._compiler.in_graph_sync = in_graph
             wire = getattr(torch, self._config.comm_dtype_name) if self._config.comm_dtype_name else None
-            self._ledger = GradLedger(module.named_parameters(), None, self._config.bucket_cap_bytes, wire)
+            self._ledger = GradLedger(module.named_parameters(), group, self._config.bucket_cap_bytes, wire)
             self._breaks_at_setup = _graph_break_counts()
         if self._config.compile_cache is not None:
             self._setup_compile_cache(module, in_graph)
         if self.world_size == 1:
             self._say("one process: nothing to communicate; the step is compiled without collectives")
+        elif self.dp_size == 1:
+            self._say("data-parallel group of 1: no gradient all-reduce; tensor-parallel collectives are in the graphs")
         elif in_graph:
             self._say(
                 f"gradient sync inside the compiled backward: buckets of <= {self._config.bucket_cap_mb} MiB,"
@@ -492,9 +604,15 @@ class SGDTPStrategy(ParallelStrategy):
             "python": sys.implementation.cache_tag,
             "platform": sysconfig.get_platform(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-            "layout": {"world_size": self.world_size, "num_nodes": self.num_nodes, "devices": self.num_processes},
+            "layout": {
+                "world_size": self.world_size,
+                "num_nodes": self.num_nodes,
+                "devices": self.num_processes,
+                "mesh": self._layout,
+            },
             "backend": self._process_group_backend,
             "groups": [dist.group.WORLD.group_name] if _distributed_is_initialized() else [],
+            "tensor_parallel_plan": self._tp_plan.to_dict() if self._tp_plan is not None else None,
             "plan": {k: self._config.to_dict()[k] for k in PLAN_FIELDS} | {"in_graph_sync": in_graph},
             "module": f"{cls.__module__}.{cls.__qualname__}",
             "module_source_sha256": hashlib.sha256(source).hexdigest(),
@@ -612,6 +730,68 @@ class SGDTPStrategy(ParallelStrategy):
                 if message:
                     self._say(message)
         return out
+
+    # -------------------------------------------------------------------------------------- checkpoints
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._mesh is None:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        assert self.lightning_module is not None
+        return get_optimizer_state_dict(self.lightning_module, optimizer)  # keyed by name: loads on any mesh
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Data parallel: one file, written by rank 0 (atomically). Tensor/hybrid: a sharded folder, every rank
+        writing its shards (``lightning_sgdtp.sharded_checkpoint``)."""
+        if self._mesh is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                "SGDTPStrategy.save_checkpoint(storage_options=...) is not supported for sharded checkpoints"
+            )
+        path = Path(self.broadcast(str(filepath)))
+        token = self.broadcast(uuid.uuid4().hex[:12])
+        with self._guard("save_checkpoint"):
+            sharded.save(path, checkpoint, self.global_rank, token, self.barrier, self._config.signing_key)
+        return None
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Either format, on any layout: a sharded folder is read by DCP (each rank its part); a one-file
+        checkpoint is split for this mesh. What the strategy loaded itself, Lightning does not load again."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        self._states_loaded = False
+        module = self.lightning_module
+        assert module is not None
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        if sharded.is_sharded(path):
+            if self._config.verify_artifacts:
+                verify_dir(path, trusted=Path(self._config.trusted_key) if self._config.trusted_key else None)
+            with self._guard("load_checkpoint"):
+                rest = sharded.load(path, module, optimizers, weights_only)
+            self._states_loaded = True
+            return rest
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        states = checkpoint.get("optimizer_states") or [{}]
+        by_name = any(isinstance(k, str) for k in states[0].get("state", {}))  # a consolidated sharded checkpoint
+        if self._mesh is None and not by_name:
+            return checkpoint  # Lightning's own loading
+        rest = sharded.load_full(checkpoint, module, optimizers if "optimizer_states" in checkpoint else [])
+        self._states_loaded = True
+        return rest
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if not self._states_loaded:
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if not self._states_loaded:
+            super().load_optimizer_state_dict(checkpoint)
 
     # ---------------------------------------------------------------------------------------------- plan
     def _say(self, message: str) -> None:
@@ -811,6 +991,13 @@ def _bookkeeping_hooks(module: torch.nn.Module, installed: bool = False) -> list
     hooks: list[tuple[Any, str]] = [(module, "log"), (module, "log_dict")]
     hooks += [(m, "forward") for m in module.modules() if isinstance(m, Metric)]
     return [(owner, hook) for owner, hook in hooks if (hook in owner.__dict__) == installed]
+
+
+def _is_split(module: torch.nn.Module) -> bool:
+    """Whether tensor parallelism was applied already (some parameter is a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def _plan_from_dict(d: dict[str, Any]) -> GraphPlan:

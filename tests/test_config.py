@@ -24,10 +24,13 @@ def test_explicit_keywords_win_over_options() -> None:
     ("kwargs", "error", "names"),
     [
         ({"parallelism": "zero3"}, SGDTPConfigError, ["parallelism", "'data'"]),
-        ({"parallelism": "tensor"}, NotAvailableYetError, ["not available yet", "parallelism='data'"]),
-        ({"parallelism": "hybrid"}, NotAvailableYetError, ["not available yet"]),
         ({"pipeline_chunks": 4}, NotAvailableYetError, ["pipeline_chunks", "not available yet"]),
-        ({"tensor_parallel_size": 2}, NotAvailableYetError, ["tensor_parallel_size"]),
+        ({"tensor_parallel_size": 2}, SGDTPConfigError, ["tensor_parallel_size", "parallelism='tensor' or 'hybrid'"]),
+        ({"tp_plan": {"a": "colwise"}}, SGDTPConfigError, ["tp_plan", "parallelism='tensor' or 'hybrid'"]),
+        ({"parallelism": "hybrid", "tensor_parallel_size": 0}, SGDTPConfigError, ["tensor_parallel_size", "'auto'"]),
+        ({"parallelism": "hybrid", "tensor_parallel_size": "two"}, SGDTPConfigError, ["positive int"]),
+        ({"parallelism": "tensor", "tp_plan": {"a.*": "diagonal"}}, SGDTPConfigError, ["tp_plan['a.*']", "colwise"]),
+        ({"parallelism": "tensor", "tp_plan": {}}, SGDTPConfigError, ["tp_plan", "non-empty"]),
         ({"bucket_cap_mb": 0}, SGDTPConfigError, ["bucket_cap_mb", "> 0"]),
         ({"bucket_cap_mb": -3}, SGDTPConfigError, ["bucket_cap_mb"]),
         ({"bucket_cap_mb": "25"}, SGDTPConfigError, ["bucket_cap_mb", "number"]),
@@ -57,5 +60,5 @@ def test_invalid_options_dict(options: dict) -> None:
 
 
 def test_tensor_strategy_in_options_dict_is_not_silently_data() -> None:
-    with pytest.raises(NotAvailableYetError, match="not available yet"):
-        SGDTPStrategy(options={"distributed": {"plugin": "sgdtp", "strategy": "hybrid"}})
+    s = SGDTPStrategy(options={"distributed": {"plugin": "sgdtp", "strategy": "hybrid", "tensor_parallel_size": 2}})
+    assert (s.config.parallelism, s.config.tensor_parallel_size) == ("hybrid", 2)

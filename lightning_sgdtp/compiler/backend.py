@@ -103,14 +103,19 @@ class SGDTPCompiler:
 
         graph_id = next(self._ids)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        # AOTAutograd flattens tensor subclasses (a DTensor is its local shard and its mesh): backward output
+        # `offsets[i]` is the gradient of graph input i (of its local shard, for a DTensor).
+        offsets = list(itertools.accumulate((_flat_count(v) for v in example_inputs), initial=0))
         grad_outputs: dict[int, str] = {}
+        params: dict[int, Any] = {}
         for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
             if isinstance(value, torch.nn.Parameter) and value.requires_grad:
-                grad_outputs[i] = self.param_names.get(id(value)) or _source_name(node)
+                grad_outputs[offsets[i]] = self.param_names.get(id(value)) or _source_name(node)
+                params[offsets[i]] = value
         group_name, world_size = self._group()
         sync = bool(self.in_graph_sync and grad_outputs and group_name is not None and world_size > 1)
         if sync:  # only parameters whose gradients this graph really averages (the ledger trusts this set)
-            self.graph_param_ids.update(id(v) for i, v in enumerate(example_inputs) if i in grad_outputs)
+            self.graph_param_ids.update(id(v) for v in params.values())
         cfg = self.config
         wire_dtype = getattr(torch, cfg.comm_dtype_name) if cfg.comm_dtype_name else None
         salt = f"{PLAN_VERSION}:{sync}:{group_name}:{world_size}:{cfg.bucket_cap_bytes}:{wire_dtype}:{cfg.overlap}"
@@ -120,10 +125,10 @@ class SGDTPCompiler:
                 with self.compile_lock():
                     return compile_fx_inner(g, inputs, **kwargs)
             outputs = g.graph.output_node().args[0]
-            if len(outputs) != len(placeholders):
+            if len(outputs) != offsets[-1]:
                 raise RuntimeError(
                     f"sgdtp: backward graph {graph_id} has {len(outputs)} gradient outputs for"
-                    f" {len(placeholders)} graph inputs (AOTAutograd deduplicated or merged inputs); refusing to"
+                    f" {offsets[-1]} flattened graph inputs (AOTAutograd deduplicated or merged inputs); refusing to"
                     " guess which gradient belongs to which parameter. Please report this with your model."
                 )
             if sync:
@@ -162,6 +167,16 @@ class SGDTPCompiler:
         aot_cache = torch._functorch.config.patch(enable_autograd_cache=self.aot_cache)
         with self.compile_lock(), _salted(salt), aot_cache:
             return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.inductor_patches)
+
+
+def _flat_count(value: Any) -> int:
+    """How many graph inputs AOTAutograd makes of one input: one, or the leaves of a tensor subclass."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(value):
+        return 1
+    attrs, _ = value.__tensor_flatten__()
+    return sum(_flat_count(getattr(value, a)) for a in attrs)
 
 
 def _salted(key: str) -> Any:

@@ -1,0 +1,65 @@
+"""Gradient clipping by the global norm when some gradients are split across ranks (DTensor shards).
+
+Lightning clips with ``torch.nn.utils.clip_grad_norm_`` over local gradients: with tensor parallelism each
+rank would see the norm of its own shards only (and torch refuses to mix DTensor and plain gradients).
+Here a split gradient contributes the sum of its shards' ``|g|^p`` over its group (one all-reduce per mesh),
+a replicated one counts once, so every rank computes the same norm: the norm of the unsplit model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _local(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def global_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type``-norm of all gradients of ``parameters`` as if none were split. Same on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    norm_type = float(norm_type)
+    is_inf = math.isinf(norm_type)
+    replicated = torch.zeros((), dtype=torch.float32)
+    split: dict[object, tuple[Tensor, object]] = {}  # mesh -> (accumulated local part, its group)
+    for p in parameters:
+        g = p.grad
+        if g is None:
+            continue
+        local = _local(g).detach().float()
+        part = local.abs().max() if is_inf else local.abs().pow(norm_type).sum()
+        if local.numel() == 0:
+            part = torch.zeros((), dtype=torch.float32)
+        if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements):
+            mesh = g.device_mesh
+            if mesh.ndim != 1:
+                raise NotImplementedError("global_grad_norm: gradients split over more than one mesh dimension")
+            acc, group = split.get(mesh, (torch.zeros((), dtype=torch.float32), mesh.get_group()))
+            acc = torch.maximum(acc, part.cpu()) if is_inf else acc + part.cpu()
+            split[mesh] = (acc, group)
+        else:
+            replicated = torch.maximum(replicated, part.cpu()) if is_inf else replicated + part.cpu()
+    total = replicated
+    for acc, group in split.values():
+        dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+        total = torch.maximum(total, acc) if is_inf else total + acc
+    return total if is_inf else total.pow(1.0 / norm_type)
+
+
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Scale all gradients so that their global norm is at most ``max_norm`` (torch's rule); returns the norm."""
+    params = [p for p in parameters if p.grad is not None]
+    total = global_grad_norm(params, norm_type)
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for p in params:
+        local = _local(p.grad)
+        local.mul_(coef.to(local.device, local.dtype))
+    return total

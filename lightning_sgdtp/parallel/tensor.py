@@ -1,0 +1,271 @@
+"""Tensor parallelism: an automatic, printable plan over the module tree, applied with DTensor.
+
+The plan is plain data: ``{module name: style}``, plus what was left replicated and why. Three styles,
+all torch's own ``ColwiseParallel`` / ``RowwiseParallel``:
+
+- ``"colwise"``: the weight is split by output features; the output stays a DTensor sharded on its last
+  dimension, so the code between this layer and its ``"rowwise"`` partner (head splitting, attention,
+  activations) runs on DTensors and keeps its global shapes: an unmodified model stays correct.
+- ``"rowwise"``: the weight is split by input features (by vocabulary for an ``nn.Embedding``); the
+  partial outputs are summed across the group (one all-reduce) and a plain tensor leaves the module.
+- ``"colwise_gather"``: split by output features, output gathered (an LM head: full logits leave the model).
+
+Every style is *correct* for any input (a rowwise layer fed a replicated tensor slices it; DTensor
+redistributes what it must); the automatic plan picks the pairs where that costs no extra communication:
+column-parallel layers feeding a row-parallel one inside the same module (attention q/k/v or fused qkv ->
+output projection; MLP up/gate -> down), the token embedding and the LM head.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+STYLES = ("colwise", "rowwise", "colwise_gather", "replicate")
+
+# Leaf names of linear layers that read the block's input (column-parallel) and write its output (row-parallel).
+IN_NAMES = {
+    "q", "k", "v", "q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv", "qkv", "qkv_proj",
+    "c_attn", "wqkv", "to_q", "to_k", "to_v", "in_proj", "fc", "fc1", "c_fc", "up_proj", "gate_proj", "w1", "w3",
+    "up", "gate", "dense_h_to_4h", "wi", "lin1", "linear1", "w_in",
+}  # fmt: skip
+OUT_NAMES = {
+    "proj", "o_proj", "out_proj", "wo", "c_proj", "o", "dense", "to_out", "fc2", "down_proj", "w2", "down",
+    "dense_4h_to_h", "lin2", "linear2", "w_out",
+}  # fmt: skip
+TOKEN_EMBEDDING_NAMES = ("tok", "wte", "word", "embed_tokens", "token")
+HEAD_NAMES = {"lm_head", "head", "output", "out", "logits", "classifier"}
+HEAD_COUNT_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nhead", "heads")
+
+
+class TensorPlanError(ValueError):
+    """A ``tp_plan`` that cannot be applied. The message names the module and the fix."""
+
+
+@dataclass
+class TensorPlan:
+    """Which module is split how (``styles``), and what stays replicated and why (``replicated``)."""
+
+    tp: int
+    styles: dict[str, str] = field(default_factory=dict)
+    replicated: dict[str, str] = field(default_factory=dict)
+    source: str = "automatic"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tp": self.tp, "source": self.source, "styles": dict(self.styles), "replicated": dict(self.replicated)}
+
+    def describe(self) -> list[str]:
+        """One line per decision, for rank 0's log."""
+        counts = {s: sum(1 for v in self.styles.values() if v == s) for s in STYLES if s != "replicate"}
+        head = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        lines = [f"tensor-parallel plan ({self.source}, tp={self.tp}): {head or 'nothing sharded'}"]
+        for name, style in self.styles.items():
+            lines.append(f"  {name}: {style}")
+        reasons: dict[str, list[str]] = {}
+        for name, why in self.replicated.items():
+            reasons.setdefault(why, []).append(name)
+        for why, names in reasons.items():
+            shown = ", ".join(names[:6]) + (f" (+{len(names) - 6} more)" if len(names) > 6 else "")
+            lines.append(f"  replicated: {shown}: {why}")
+        return lines
+
+
+def _leaf(name: str) -> str:
+    return name.rsplit(".", 1)[-1].lower()
+
+
+def _heads(module: nn.Module) -> int | None:
+    for attr in HEAD_COUNT_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _inside(name: str, prefixes: list[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def auto_plan(module: nn.Module, tp: int) -> TensorPlan:
+    """Find the standard transformer patterns in ``module`` and plan them for a tensor-parallel group of ``tp``.
+
+    Pure: reads names, types and shapes, changes nothing. What it does not understand stays replicated, with
+    the reason in ``plan.replicated``.
+    """
+    plan = TensorPlan(tp=tp)
+    named = dict(module.named_modules())
+    opaque = [n for n, m in named.items() if isinstance(m, nn.MultiheadAttention)]
+    for name in opaque:
+        plan.replicated[name] = (
+            "nn.MultiheadAttention keeps q, k and v in one parameter and its head count fixed; DTensor styles"
+            " cannot split it by head"
+        )
+    # 1. Column -> row pairs inside one parent module (attention, MLP).
+    paired: set[str] = set()
+    for parent_name, parent in named.items():
+        if _inside(parent_name, opaque):
+            continue
+        prefix = f"{parent_name}." if parent_name else ""
+        linears = {n: m for n, m in parent.named_children() if isinstance(m, nn.Linear)}
+        ins = [n for n in linears if n.lower() in IN_NAMES]
+        outs = [n for n in linears if n.lower() in OUT_NAMES]
+        if not ins or len(outs) != 1:
+            continue
+        out = linears[outs[0]]
+        width = out.out_features
+        why = None
+        if any(linears[n].in_features != width for n in ins):
+            why = f"input layers {ins} do not read the width {width} that {outs[0]} writes"
+        elif any(linears[n].out_features % tp for n in ins) or out.in_features % tp:
+            why = f"feature sizes {[linears[n].out_features for n in ins]} / {out.in_features} not divisible by tp={tp}"
+        elif (heads := _heads(parent)) is not None and heads % tp:
+            why = f"{heads} heads are not divisible by tp={tp}"
+        members = [prefix + n for n in ins + outs]
+        paired.update(members)
+        if why:
+            for n in members:
+                plan.replicated[n] = why
+            continue
+        for n in ins:
+            plan.styles[prefix + n] = "colwise"
+        plan.styles[prefix + outs[0]] = "rowwise"
+    # 2. Token embedding (vocabulary-parallel) and the LM head that produces logits over the same vocabulary.
+    embeddings = {n: m for n, m in named.items() if isinstance(m, nn.Embedding) and not _inside(n, opaque)}
+    token = None
+    if embeddings:
+        by_name = [n for n in embeddings if any(k in _leaf(n) for k in TOKEN_EMBEDDING_NAMES)]
+        token = by_name[0] if by_name else max(embeddings, key=lambda n: embeddings[n].num_embeddings)
+    vocab = embeddings[token].num_embeddings if token else None
+    heads = [
+        n
+        for n, m in named.items()
+        if isinstance(m, nn.Linear) and n not in paired and not _inside(n, opaque) and n
+        if _leaf(n) in HEAD_NAMES or (vocab is not None and m.out_features == vocab)
+    ]
+    tied = token is not None and any(named[h].weight is embeddings[token].weight for h in heads)
+    for n in embeddings:
+        if n != token:
+            plan.replicated[n] = "not the token embedding (position/type embeddings are small)"
+        elif vocab % tp:
+            plan.replicated[n] = f"vocabulary {vocab} not divisible by tp={tp}"
+        else:
+            plan.styles[n] = "rowwise"
+    for h in heads:
+        if named[h].out_features % tp:
+            plan.replicated[h] = f"{named[h].out_features} output features not divisible by tp={tp}"
+        elif tied and named[h].weight is embeddings[token].weight and plan.styles.get(token) != "rowwise":
+            plan.replicated[h] = f"its weight is tied to {token}, which stays replicated"
+        else:
+            plan.styles[h] = "colwise_gather"
+    if tied and token in plan.styles and not any(plan.styles.get(h) == "colwise_gather" for h in heads):
+        del plan.styles[token]
+        plan.replicated[token] = "its weight is tied to a head that stays replicated"
+    # 3. Everything else with parameters of its own stays replicated.
+    for n, m in named.items():
+        if n in plan.styles or n in plan.replicated or _inside(n, opaque):
+            continue
+        if isinstance(m, nn.Linear) and n:
+            plan.replicated[n] = "no column -> row pair found around it"
+    return plan
+
+
+def resolve_plan(module: nn.Module, patterns: dict[str, str], tp: int) -> TensorPlan:
+    """The user's ``tp_plan`` (glob patterns over module names -> style), checked against ``module``.
+
+    Raises :class:`TensorPlanError` when a pattern matches nothing, a style is unknown, a matched module is
+    not an ``nn.Linear`` / ``nn.Embedding``, or a dimension does not divide.
+    """
+    named = dict(module.named_modules())
+    plan = TensorPlan(tp=tp, source="tp_plan")
+    for pattern, style in patterns.items():
+        if style not in STYLES:
+            raise TensorPlanError(f"tp_plan[{pattern!r}] = {style!r}: unknown style. Use one of {STYLES}.")
+        matched = [n for n in named if n and fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            examples = ", ".join(n for n, m in named.items() if isinstance(m, (nn.Linear, nn.Embedding)))
+            raise TensorPlanError(
+                f"tp_plan pattern {pattern!r} matches no module of {type(module).__name__}. Patterns are globs"
+                f" over module names (e.g. 'blocks.*.attn.qkv'); the splittable modules are: {examples[:600]}"
+            )
+        for n in matched:
+            m = named[n]
+            if style == "replicate":
+                plan.styles.pop(n, None)
+                plan.replicated[n] = "tp_plan says replicate"
+                continue
+            if not isinstance(m, (nn.Linear, nn.Embedding)):
+                raise TensorPlanError(
+                    f"tp_plan[{pattern!r}] matches {n!r}, a {type(m).__name__}: only nn.Linear and nn.Embedding"
+                    " can be split. Make the pattern name the linear layers inside it (e.g. f'{n}.*')."
+                )
+            if isinstance(m, nn.Embedding) and style != "rowwise":
+                raise TensorPlanError(
+                    f"tp_plan[{pattern!r}] = {style!r} on the embedding {n!r}: embeddings are split by vocabulary,"
+                    " use 'rowwise'."
+                )
+            size, what = _split_size(m, style)
+            if size % tp:
+                raise TensorPlanError(
+                    f"tp_plan[{pattern!r}] = {style!r} on {n!r}: its {what}={size} is not divisible by"
+                    f" tensor_parallel_size={tp}. Choose a tensor_parallel_size that divides {size}, or leave"
+                    f" {n!r} out of tp_plan (it then stays replicated)."
+                )
+            plan.styles[n] = style
+    for n, m in named.items():
+        if isinstance(m, (nn.Linear, nn.Embedding)) and n and n not in plan.styles and n not in plan.replicated:
+            plan.replicated[n] = "not in tp_plan"
+    return plan
+
+
+def _split_size(m: nn.Module, style: str) -> tuple[int, str]:
+    if isinstance(m, nn.Embedding):
+        return m.num_embeddings, "num_embeddings"
+    assert isinstance(m, nn.Linear)
+    return (m.in_features, "in_features") if style == "rowwise" else (m.out_features, "out_features")
+
+
+def apply_tensor_parallel(module: nn.Module, plan: TensorPlan, tp_mesh: Any) -> None:
+    """Split ``module`` in place per ``plan`` over the 1-D mesh ``tp_mesh`` (torch's ``parallelize_module``).
+
+    Parameters tied before (an embedding and its LM head) are tied again after: both were split the same way
+    (by vocabulary: ``Shard(0)``), so they stay one parameter with one gradient.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_sgdtp.parallel import dtensor_ops
+
+    dtensor_ops.register()
+    named = dict(module.named_modules())
+    ties = _tied_parameters(module)
+    styles: dict[str, Any] = {}
+    for name, style in plan.styles.items():
+        if style == "colwise":
+            styles[name] = ColwiseParallel(use_local_output=False)
+        elif style == "colwise_gather":
+            styles[name] = ColwiseParallel(output_layouts=Replicate())
+        elif style == "rowwise":
+            # Input declared Replicate: a plain (replicated) input is sliced; a DTensor from a colwise partner is
+            # already Shard(-1) and passes as is. Correct for any input.
+            styles[name] = RowwiseParallel(input_layouts=Replicate())
+    if styles:
+        parallelize_module(module, tp_mesh, styles)
+    for owner_name, attr, source_name, source_attr in ties:
+        owner, source = named[owner_name], named[source_name]
+        setattr(owner, attr, getattr(source, source_attr))
+
+
+def _tied_parameters(module: nn.Module) -> list[tuple[str, str, str, str]]:
+    """(module, attribute) pairs that share a Parameter with an earlier (module, attribute)."""
+    first: dict[int, tuple[str, str]] = {}
+    ties = []
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for attr, p in mod.named_parameters(recurse=False):
+            if id(p) in first and first[id(p)] != (mod_name, attr):
+                ties.append((mod_name, attr, *first[id(p)]))
+            else:
+                first.setdefault(id(p), (mod_name, attr))
+    return ties
