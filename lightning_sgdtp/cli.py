@@ -153,7 +153,36 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--keyring", type=Path, default=None, help="trusted keys: a gpg keyring (checked with gpgv)")
     verify.add_argument("--pem-public-key", type=Path, default=None, help="trusted key: a PEM public key")
     verify.set_defaults(run=_verify)
+
+    cons = commands.add_parser(
+        "consolidate",
+        help="merge a sharded checkpoint folder (tensor/hybrid parallel) into one file that plain torch.load reads",
+    )
+    cons.add_argument("dir", type=Path, help="the sharded checkpoint folder")
+    cons.add_argument("output", type=Path, help="the file to write (Lightning's layout: state_dict, optimizer_states)")
+    cons.add_argument("--keyring", type=Path, default=None, help="verify the folder's signature with this gpg keyring")
+    cons.add_argument("--no-verify", action="store_true", help="do not check the folder's SHA256 manifest first")
+    cons.set_defaults(run=_consolidate)
     return parser
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from lightning_sgdtp.sharded_checkpoint import consolidate
+    from lightning_sgdtp.trust import ArtifactVerificationError, verify_dir
+
+    if not args.no_verify:  # consolidate unpickles meta.pt: check the folder before
+        try:
+            verify_dir(args.dir, trusted=args.keyring)
+        except ArtifactVerificationError as err:
+            print(err, file=sys.stderr)
+            return 1
+    try:
+        out = consolidate(args.dir, args.output)
+    except FileNotFoundError as err:
+        print(f"sgdtp consolidate: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:

@@ -33,6 +33,13 @@ from torch import Tensor
 COMPILED_NODE = "CompiledFunctionBackward"
 
 
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (what this rank holds and communicates); a plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class Sync(str, enum.Enum):
     GRAPH = "graph"  # averaged inside a compiled backward graph
     FALLBACK = "fallback"  # averaged after backward by the ledger's buckets
@@ -145,8 +152,9 @@ class GradLedger:
             local, graph = record.eager, record.graph
         eager_flags, graph_flags = self._flags(local), self._flags(graph)
         both = torch.cat([eager_flags, graph_flags, -graph_flags, torch.tensor([int(stop)], dtype=torch.int32)])
-        if self.world_size > 1:
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Over every rank, not only the data-parallel group: a stop request must reach all of them.
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
         n = len(self.params)
         union, graph_max, graph_min = both[:n], both[n : 2 * n], -both[2 * n : 3 * n]
         differ = (graph_max != graph_min).nonzero().flatten().tolist()
@@ -170,7 +178,9 @@ class GradLedger:
         for pid in agreed.graph:
             name, p = self.params[self.index[pid]]
             self.step_counts[(name, Sync.GRAPH)] += 1
-            self._graph_bytes += p.numel() * (self.wire_dtype.itemsize if self.wire_dtype else p.element_size())
+            if self.world_size > 1:  # a data-parallel group of one sends nothing
+                numel = _local(p).numel()
+                self._graph_bytes += numel * (self.wire_dtype.itemsize if self.wire_dtype else p.element_size())
         chosen = [self.params[self.index[pid]] for pid in sorted(agreed.eager, key=self.index.__getitem__)]
         for name, _ in chosen:
             self.step_counts[(name, Sync.FALLBACK)] += 1
@@ -182,11 +192,14 @@ class GradLedger:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        # A split parameter (DTensor) is averaged shard by shard: its local part, over the data-parallel group.
+        grads = {id(p): _local(p.grad) for p in params}
         buckets: list[list[torch.nn.Parameter]] = []
         size = 0
         for p in params:
-            nbytes = p.grad.numel() * p.grad.element_size()
-            if not buckets or size + nbytes > self.cap_bytes or p.grad.dtype != buckets[-1][0].grad.dtype:
+            g = grads[id(p)]
+            nbytes = g.numel() * g.element_size()
+            if not buckets or size + nbytes > self.cap_bytes or g.dtype != grads[id(buckets[-1][0])].dtype:
                 buckets.append([])
                 size = 0
             buckets[-1].append(p)
@@ -194,7 +207,7 @@ class GradLedger:
         world = self.world_size
         inflight = []
         for bucket in buckets:  # issue all, then wait: buckets travel back to back
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket]).div_(world)
+            flat = torch.cat([grads[id(p)].reshape(-1) for p in bucket]).div_(world)
             wire = flat.to(self.wire_dtype) if self.wire_dtype is not None else flat
             self._fallback_bytes += wire.numel() * wire.element_size()
             inflight.append((bucket, flat, wire, dist.all_reduce(wire, group=self.group, async_op=True)))
@@ -204,9 +217,9 @@ class GradLedger:
                 flat.copy_(wire)
             offset = 0
             for p in bucket:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
+                g = grads[id(p)]
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def end_step(self) -> dict[str, list[str]]:
         """Close the optimizer step: record how each parameter was synced, reset."""

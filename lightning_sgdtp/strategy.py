@@ -956,6 +956,16 @@ class SGDTPStrategy(ParallelStrategy):
         if self.lightning_module is not None:
             for owner, hook in _bookkeeping_hooks(self.lightning_module, installed=True):
                 delattr(owner, hook)
+        if self.lightning_module is not None and _is_split(self.lightning_module):
+            # As Lightning's ModelParallelStrategy: a split module stays where it is (``module.cpu()`` cannot swap
+            # DTensor parameters); the rest of Strategy.teardown.
+            assert self.cluster_environment is not None and self.accelerator is not None
+            self.cluster_environment.teardown()
+            _optimizers_to_device(self.optimizers, torch.device("cpu"))
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
         super().teardown()
 
     @classmethod

@@ -114,7 +114,9 @@ class SGDTPCompiler:
                 params[offsets[i]] = value
         group_name, world_size = self._group()
         sync = bool(self.in_graph_sync and grad_outputs and group_name is not None and world_size > 1)
-        if sync:  # only parameters whose gradients this graph really averages (the ledger trusts this set)
+        if sync or (group_name is not None and world_size == 1):
+            # Parameters whose gradients this graph really averages (the ledger trusts this set); with a
+            # data-parallel group of one (tensor parallel alone) there is nothing to average: covered as they are.
             self.graph_param_ids.update(id(v) for v in params.values())
         cfg = self.config
         wire_dtype = getattr(torch, cfg.comm_dtype_name) if cfg.comm_dtype_name else None

@@ -104,3 +104,37 @@ class ManualModel(BreaksModel):
 def small_gpt(lr: float = 1e-2) -> GPTLightningModule:
     config = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32)
     return GPTLightningModule.from_config(config, lr=lr, weight_decay=0.0)
+
+
+class MHALanguageModel(L.LightningModule):
+    """A small language model built from torch's own ``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention``)."""
+
+    def __init__(self, lr: float = 1e-2, width: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.lr = lr
+        self.embed = nn.Embedding(VOCAB, width)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1)), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
