@@ -51,6 +51,7 @@ CONTENDERS: dict[str, tuple[str, str]] = {
     "ddp": ("DDP, 4 ranks, eager", "none"),
 }
 DEFAULT_CONTENDERS = "sgdtp,mp,ddp"
+QUIET = 0.10  # other processes using more than this fraction of the CPUs: the machine is busy
 BASELINE = "mp"  # the ratio is sgdtp / this (or mp(eager) when compiling failed)
 
 
@@ -180,6 +181,8 @@ def _worker(args: argparse.Namespace) -> None:
     trainer.fit(model, loader)
     fit_s = time.perf_counter() - t0
     if trainer.global_rank == 0:
+        from torch._dynamo.utils import counters
+
         ranks = meter.gathered
         result: dict[str, Any] = {
             "contender": contender,
@@ -191,6 +194,8 @@ def _worker(args: argparse.Namespace) -> None:
             # the global batch's loss per step: the mean over ranks (tp ranks of one replica hold the same loss)
             "loss": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(len(ranks[0]["losses"]))],
             "frames_compiled": _frames_compiled(),
+            "graphs_compiled": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
         }
         if contender == "sgdtp":
             plan = strategy.plan
@@ -220,8 +225,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_worker(contender: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    tag = contender.replace("(", "-").replace(")", "")
+def _run_worker(contender: str, args: argparse.Namespace, tmp: Path, round_tag: str) -> dict[str, Any]:
+    tag = round_tag + "-" + contender.replace("(", "-").replace(")", "")
     out, log = tmp / f"{tag}.json", tmp / f"{tag}.log"
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
     env.update(
@@ -234,6 +239,10 @@ def _run_worker(contender: str, args: argparse.Namespace, tmp: Path) -> dict[str
     cmd = [sys.executable, str(SCRIPT), "--worker", contender, "--out", str(out)]
     for flag in ("steps", "warmup", "n_layer", "n_head", "n_embd", "batch_size", "seq"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    load_before = _cpu_busy()  # before our ranks start: what else runs on this machine
+    deadline = time.monotonic() + args.wait_quiet
+    while load_before > QUIET and time.monotonic() < deadline:
+        load_before = _cpu_busy(2.0)
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -253,6 +262,8 @@ def _run_worker(contender: str, args: argparse.Namespace, tmp: Path) -> dict[str
         raise RuntimeError(f"worker {contender} failed: {why}\n{text[-4000:]}")
     result = json.loads(out.read_text())
     result["wall_s"] = time.perf_counter() - t0
+    result["load_before"] = load_before
+    result["load_after"] = _cpu_busy()  # our processes are gone: anything busy now is someone else's
     result["sgdtp_log"] = [line.rstrip() for line in text.splitlines() if "sgdtp:" in line]
     return result
 
@@ -270,89 +281,112 @@ def main_driver(args: argparse.Namespace) -> int:
     if bad:
         raise SystemExit(f"unknown contender(s) {bad}; choose from {list(CONTENDERS)}")
     started = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
     failures: list[str] = []
     notes: list[str] = []
+    instead: dict[str, str] = {}  # "mp" -> "mp(eager)" once compiling it has failed
     with tempfile.TemporaryDirectory(prefix="tp_throughput-") as tmpdir:
         tmp = Path(tmpdir)
-        for c in contenders:
-            todo = [c]
-            while todo:
-                name = todo.pop(0)
-                try:
-                    res = _run_worker(name, args, tmp)
-                except RuntimeError as err:  # report, keep going: the other contenders still mean something
-                    failures.append(f"{name}: {_first_error(err)}")
-                    print(f"FAILED: {err}", file=sys.stderr, flush=True)
-                    if name == "mp":  # compiling under DTensor + FSDP2 failed: measure the same plan eager
-                        notes.append(f"mp with torch.compile per block failed ({_first_error(err)}); ran eager")
-                        todo.append("mp(eager)")
-                    continue
-                results[name] = res
-                print(
-                    f"[{name}] {_median_ms(res['batch_s']):.1f} ms/step, first step {res['warmup_s'][0]:.1f}s,"
-                    f" {res['wall_s']:.0f}s",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                for line in res["sgdtp_log"]:
-                    print(f"  [{name}] {line}", file=sys.stderr)
+        for r in range(args.rounds):
+            order = contenders if r % 2 == 0 else contenders[::-1]  # who runs first (and after whom) alternates
+            for c in order:
+                todo = [instead.get(c, c)]
+                while todo:
+                    name = todo.pop(0)
+                    try:
+                        res = _run_worker(name, args, tmp, f"r{r}")
+                    except RuntimeError as err:  # report, keep going: the other contenders still mean something
+                        failures.append(f"round {r + 1} {name}: {_first_error(err)}")
+                        print(f"[round {r + 1}/{args.rounds}] FAILED: {err}", file=sys.stderr, flush=True)
+                        if name == "mp":  # compiling under DTensor + FSDP2 failed: measure the same plan eager
+                            notes.append(f"mp with torch.compile per block failed ({_first_error(err)}); ran eager.")
+                            instead["mp"] = "mp(eager)"
+                            todo.append("mp(eager)")
+                        continue
+                    runs.setdefault(name, []).append(res)
+                    print(
+                        f"[round {r + 1}/{args.rounds}] {name:9s} {_median_ms(res['batch_s']):7.1f} ms/step, first"
+                        f" step {res['warmup_s'][0]:5.1f}s, run {res['wall_s']:4.0f}s; CPUs busy before"
+                        f" {100 * res['load_before']:.0f}%, after {100 * res['load_after']:.0f}%",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    if r == 0:
+                        for line in res["sgdtp_log"]:
+                            print(f"  [{name}] {line}", file=sys.stderr)
 
     tokens = args.batch_size * args.seq
-    base_name = BASELINE if BASELINE in results else ("mp(eager)" if "mp(eager)" in results else None)
-    base = results.get(base_name) if base_name else None
-    ref_loss = next(iter(results.values()))["loss"] if results else []
+    ms_of = {name: statistics.median(_median_ms(res["batch_s"]) for res in rs) for name, rs in runs.items()}
+    base_name = BASELINE if BASELINE in runs else ("mp(eager)" if "mp(eager)" in runs else None)
+    ref_loss = next(iter(runs.values()))[0]["loss"] if runs else []
     rows = []
-    for name, res in results.items():
-        ms = _median_ms(res["batch_s"])
+    for name, rs in runs.items():
+        ms = ms_of[name]
         tps = tokens / (ms / 1e3)
+        res = rs[0]
         row: dict[str, Any] = {
             "contender": name,
             "setup": CONTENDERS[name][0],
             "user_code": CONTENDERS[name][1],
             "compiled": res["frames_compiled"] > 0,
             "frames_compiled": res["frames_compiled"],
+            "graphs_compiled": res["graphs_compiled"],
+            "graph_breaks": res["graph_breaks"],
             "params": res["params"],
             "ms_per_step": round(ms, 2),
             "tokens_per_s": round(tps, 1),
-            "first_step_s": round(res["warmup_s"][0], 2),
-            "warmup_s": [round(t, 3) for t in res["warmup_s"]],
-            "step_ms": [round(1e3 * t, 2) for t in res["batch_s"]],
-            "peak_rss_mib": [round(r, 1) for r in res["rss_mib"]],
-            "fit_s": round(res["fit_s"], 1),
+            "round_ms": [round(_median_ms(x["batch_s"]), 2) for x in rs],
+            "first_step_s": round(statistics.median(x["warmup_s"][0] for x in rs), 2),
+            "warmup_s": [[round(t, 3) for t in x["warmup_s"]] for x in rs],
+            "step_ms": [[round(1e3 * t, 2) for t in x["batch_s"]] for x in rs],
+            "peak_rss_mib": [round(max(rank), 1) for rank in zip(*(x["rss_mib"] for x in rs), strict=True)],
+            "fit_s": [round(x["fit_s"], 1) for x in rs],
+            "cpu_busy_before_after": [[round(x["load_before"], 3), round(x["load_after"], 3)] for x in rs],
             "final_loss": round(res["loss"][-1], 5),
-            "max_loss_diff_vs_first": round(max(abs(a - b) for a, b in zip(res["loss"], ref_loss, strict=True)), 6),
+            "max_loss_diff_vs_first": round(
+                max(abs(a - b) for x in rs for a, b in zip(x["loss"], ref_loss, strict=True)), 6
+            ),
         }
-        if base is not None:
-            row["throughput_vs_mp"] = round(tps / (tokens / (_median_ms(base["batch_s"]) / 1e3)), 3)
+        if base_name is not None:
+            row["throughput_vs_mp"] = round(ms_of[base_name] / ms, 3)
         if "plan" in res:
             row["plan"] = res["plan"]
         rows.append(row)
 
     header = (
-        f"{'contender':10s} {'setup':46s} {'user code':15s} {'compiled':8s} {'ms/step':>8s} {'tokens/s':>9s}"
-        f" {'x mp':>5s} {'1st step':>8s} {'peak RSS/rank':>13s} {'final loss':>10s}"
+        f"{'contender':10s} {'user code':15s} {'compiled':17s} {'ms/step':>8s} {'tokens/s':>9s} {'x mp':>5s}"
+        f" {'1st step':>8s} {'peak RSS':>9s} {'loss':>7s}  rounds ms/step"
     )
     print(header)
-    print("-" * len(header))
+    print("-" * (len(header) + 6))
     for r in rows:
-        rss = f"{max(r['peak_rss_mib']):.0f} MiB"
+        compiled = f"yes ({r['graphs_compiled']}g, {r['graph_breaks']} brk)" if r["compiled"] else "no (eager)"
         print(
-            f"{r['contender']:10s} {r['setup']:46s} {r['user_code']:15s} {'yes' if r['compiled'] else 'no':8s}"
-            f" {r['ms_per_step']:8.1f} {r['tokens_per_s']:9.0f} {_fmt(r.get('throughput_vs_mp'), '5.2f')}"
-            f" {r['first_step_s']:7.1f}s {rss:>13s} {r['final_loss']:10.4f}"
+            f"{r['contender']:10s} {r['user_code']:15s} {compiled:17s} {r['ms_per_step']:8.1f}"
+            f" {r['tokens_per_s']:9.0f} {_fmt(r.get('throughput_vs_mp'), '5.2f')} {r['first_step_s']:7.1f}s"
+            f" {max(r['peak_rss_mib']):5.0f} MiB {r['final_loss']:7.4f}  {'/'.join(f'{x:.0f}' for x in r['round_ms'])}"
         )
     by_name = {r["contender"]: r for r in rows}
     ratio = by_name["sgdtp"].get("throughput_vs_mp") if "sgdtp" in by_name else None
     loss_ok = all(r["max_loss_diff_vs_first"] <= 1e-3 for r in rows) if rows else None
+    loads = [x[k] for rs in runs.values() for x in rs for k in ("load_before", "load_after")]
+    busy = statistics.median(loads) if loads else 0.0
     print(
-        f"\nGPT {args.n_layer} layers x {args.n_embd} ({args.n_head} heads), "
-        f"{rows[0]['params'] if rows else '?'} parameters; global batch {args.batch_size} x {args.seq} tokens,"
-        f" {DEVICES} gloo ranks on {os.cpu_count()} CPU cores, 1 thread each; {args.warmup} warm-up + {args.steps}"
-        " timed steps.\nms/step: median of rank 0's timed batches (warm-up dropped); tokens/s = global tokens per step"
-        f" / that; x mp = tokens/s over {base_name or 'mp'}'s; 1st step: the first batch (compilation included);"
-        " peak RSS: max over ranks of ru_maxrss.\nSame loss curve in every contender (max |diff| <= 1e-3 against the"
-        f" first): {loss_ok}." + "".join(f"\nNote: {n}" for n in notes) + f" Total {time.perf_counter() - started:.0f}s."
+        "\n"
+        + "\n".join(f"{name}: {CONTENDERS[name][0]}" for name in runs)
+        + f"\nGPT {args.n_layer} layers x {args.n_embd} ({args.n_head} heads),"
+        f" {rows[0]['params'] if rows else '?'} parameters; global batch {args.batch_size} x {args.seq} tokens,"
+        f" {DEVICES} gloo ranks on {os.cpu_count()} CPU cores, 1 thread each; {args.warmup} warm-up +"
+        f" {args.steps} timed steps, {args.rounds} round(s)."
+        "\nms/step: median over rounds of the median of rank 0's timed batches (warm-up dropped); tokens/s: global"
+        f" tokens per step / that; x mp: tokens/s over {base_name or 'mp'}'s; compiled: Dynamo graphs (g) and graph"
+        " breaks (brk) on rank 0; 1st step: the first batch (compilation included); peak RSS: max over ranks of"
+        " ru_maxrss; loss: the global batch's loss at the last step."
+        f"\nSame loss curve in every contender (max |diff| <= 1e-3 against the first): {loss_ok}. Other processes"
+        f" used {100 * busy:.0f}% (median; max {100 * max(loads, default=0.0):.0f}%) of the CPUs just before and"
+        f" after each run{' -- BUSY MACHINE: times are inflated and noisy' if busy > QUIET else ''}."
+        + "".join(f"\nNote: {n}" for n in notes)
+        + f" Total {time.perf_counter() - started:.0f}s."
     )
     summary = {
         "benchmark": "tp_throughput",
@@ -370,12 +404,14 @@ def main_driver(args: argparse.Namespace) -> int:
             "global_batch": args.batch_size,
             "warmup_steps": args.warmup,
             "timed_steps": args.steps,
+            "rounds": args.rounds,
             "seed": SEED,
             "torch": _version("torch"),
             "lightning": _version("lightning"),
             "lightning_sgdtp": _version("lightning-sgdtp"),
             "plugin_commit": _git_commit(),
         },
+        "other_cpu_busy": {"median": round(busy, 3), "max": round(max(loads, default=0.0), 3)},
         "results": rows,
         "baseline": base_name,
         "ratio_sgdtp_over_mp": ratio,
@@ -388,7 +424,7 @@ def main_driver(args: argparse.Namespace) -> int:
     for failure in failures:
         print(f"FAILED: {failure}")
     print(json.dumps(summary, separators=(",", ":")))
-    return 1 if failures and ratio is None else 0
+    return 1 if failures else 0
 
 
 def _median_ms(values: list[float]) -> float:
@@ -420,16 +456,40 @@ def _git_commit() -> str | None:
     return (head.stdout.decode().strip() + ("+dirty" if dirty.stdout.strip() else "")) or None
 
 
+def _cpu_busy(seconds: float = 1.0) -> float:
+    """Fraction of all CPUs busy over the next ``seconds`` (Linux /proc/stat; 0.0 elsewhere)."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields[:8]), fields[3] + fields[4]  # total, idle + iowait
+
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, 1.0 - (i1 - i0) / max(1, t1 - t0))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contenders", default=DEFAULT_CONTENDERS, help="comma-separated subset of: sgdtp,mp,ddp")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per contender (10)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed first steps, compilation included (3)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per contender run (30)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed first steps, compilation included (5)")
     p.add_argument("--n-layer", type=int, default=4, help="GPT layers (4)")
     p.add_argument("--n-head", type=int, default=4, help="attention heads, divisible by the tp size 2 (4)")
     p.add_argument("--n-embd", type=int, default=128, help="GPT width (128)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch in sequences, same for all (16)")
     p.add_argument("--seq", type=int, default=128, help="sequence length = the GPT's block_size (128)")
+    p.add_argument("--rounds", type=int, default=1, help="runs per contender, order alternating; medians (1)")
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each run, wait up to this long for other processes to leave the CPUs idle (shared machines)",
+    )
     p.add_argument("--timeout", type=float, default=300, help="hard limit per contender run, seconds (300)")
     # internal: one contender's run, started by the driver (and re-run by Lightning for ranks 1-3)
     p.add_argument("--worker", metavar="CONTENDER", help=argparse.SUPPRESS)

@@ -9,7 +9,11 @@ lr=1e-2, 6 steps. Measures, as in ``test_parity.py``:
 - ``rel`` = ||delta_sgdtp - delta_ref|| / ||delta_ref|| over the 6 steps (delta = final - initial). Measured
   (fp32): 2e-5 on the GPT, 1.5e-3 on the nn.MultiheadAttention model (AdamW turns last-bit differences of
   near-zero gradients into lr-sized steps; the row-parallel sum adds in another order than one matmul).
-  A missed data-parallel sync measures ~0.4 (test_parity's control). Tolerance 1e-2 (fp32), 5e-2 (bf16).
+  A missed data-parallel sync measures ~0.4 (test_parity's control). Tolerance 1e-2 (fp32).
+- bf16-mixed: the split matmuls round in bf16 in another order than one matmul; first-step gradients agree to
+  6e-3 (tolerance 3e-2). ``rel`` measured 0.067: the attention's key bias has an exactly-zero gradient (softmax
+  ignores it), so its bf16 noise becomes lr-sized AdamW steps (rel 0.6-0.8 on those two biases alone); tolerance
+  0.15, with the strict first-step gradient check carrying the proof.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import pytest
 import torch
 from launch import rel_update_diff, run_job
 
-REL_TOL = {"fp32": 1e-2, "bf16": 5e-2}
+REL_TOL = {"fp32": 1e-2, "bf16": 0.15}
 GRAD_TOL = {"fp32": 1e-4, "bf16": 3e-2}
 CASES = {
     "tensor_gpt_clip": ("fp32", "tensor, 2 ranks, small GPT (fused qkv, tied head), gradient_clip_val active"),

@@ -167,3 +167,20 @@ def test_layout_rows_are_tensor_parallel_groups_inside_nodes() -> None:
     layout = dims.layout(cpu(2, 4))
     assert layout == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert dims.coordinates(layout, 5) == (2, 1)
+
+
+def test_compile_backend_with_tensor_and_hybrid_strategies() -> None:
+    """The design documents' torch.compile form: "tensor" compiles without gradient sync (nothing to average);
+    "hybrid" cannot know the data-parallel group and says what to do instead."""
+    import torch
+
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    tensor = torch.compile(model, backend="sgdtp", options={"distributed": {"plugin": "sgdtp", "strategy": "tensor"}})
+    tensor(x).sum().backward()
+    assert model.weight.grad is not None
+    torch._dynamo.reset()
+    hybrid = torch.compile(model, backend="sgdtp", options={"distributed": {"plugin": "sgdtp", "strategy": "hybrid"}})
+    with pytest.raises(Exception, match="cannot know your data-parallel group"):
+        hybrid(x)
+    torch._dynamo.reset()

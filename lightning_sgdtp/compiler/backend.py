@@ -29,7 +29,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from lightning_sgdtp.compiler.buckets import GraphPlan, insert_bucketed_allreduce
-from lightning_sgdtp.config import SGDTPConfig
+from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 
 PLAN_VERSION = "sgdtp-grad-buckets-v1"
 OVERLAP_PASSES = ["reorder_communication_preserving_peak_memory", "sink_waits_iterative"]
@@ -199,7 +199,18 @@ def sgdtp_backend(
     syncs the gradients of the parameters used inside the compiled graphs over the default process group.
     """
     config = SGDTPConfig.from_options(options)
-    return SGDTPCompiler(config, inductor_mode=mode)(gm, example_inputs)
+    compiler = SGDTPCompiler(config, inductor_mode=mode)
+    if config.parallelism == "hybrid":
+        raise SGDTPConfigError(
+            'torch.compile(backend="sgdtp") with "strategy": "hybrid" cannot know your data-parallel group. Train'
+            ' with Trainer(strategy=SGDTPStrategy(parallelism="hybrid")), or build the backend yourself:'
+            ' SGDTPCompiler(config, group=mesh["dp"].get_group()).'
+        )
+    if config.parallelism == "tensor":
+        # Every rank is in the one tensor-parallel group: no gradient to average. DTensor's own collectives are
+        # traced into the graphs.
+        compiler.in_graph_sync = False
+    return compiler(gm, example_inputs)
 
 
 def register_backend() -> None:
