@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="32-true")
     p.add_argument("--accumulate_grad_batches", type=int, default=1)
     p.add_argument("--gradient_clip_val", type=float, default=1.0)
+    p.add_argument("--parallelism", default="data", help="sgdtp only: 'data', 'tensor' or 'hybrid'")
+    p.add_argument("--tensor_parallel_size", default=None, help="sgdtp only (tensor/hybrid): an int or 'auto'")
     p.add_argument("--activation_checkpointing", action="store_true", help="sgdtp only: recompute each block")
     p.add_argument("--bucket_cap_mb", type=float, default=None, help="sgdtp only: MiB per fused all-reduce (25)")
     p.add_argument("--default_root_dir", default="runs/train_gpt")
@@ -61,12 +63,21 @@ def build_strategy(args: argparse.Namespace) -> str | Strategy:
         return args.strategy
     from lightning_sgdtp import SGDTPStrategy
 
+    tp = args.tensor_parallel_size
     return SGDTPStrategy(
-        parallelism="data",
+        parallelism=args.parallelism,
+        tensor_parallel_size=int(tp) if tp and tp.isdigit() else tp,
         bucket_cap_mb=args.bucket_cap_mb,
         activation_checkpointing=args.activation_checkpointing,
         collective_timeout=args.collective_timeout,
     )
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with split (DTensor) parameters gathered into full tensors."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
 
 
 @rank_zero_only
@@ -114,8 +125,10 @@ def main(args: argparse.Namespace) -> None:
     )
     print0(f"GPT: {model.model.num_parameters():,} parameters; strategy {args.strategy}")
     trainer.fit(model, datamodule=datamodule, ckpt_path="last" if args.resume else None)
-    if args.save_weights and trainer.is_global_zero:
-        torch.save(model.state_dict(), args.save_weights)
+    if args.save_weights:
+        weights = full_state_dict(model)  # a collective when parameters are split (tensor/hybrid): every rank
+        if trainer.is_global_zero:
+            torch.save(weights, args.save_weights)
     # The last in-training validation may be up to `val_every` batches old: measure the final weights. They are
     # saved and named explicitly: under SLURM, `ckpt_path=None` would load a preemption checkpoint
     # (hpc_ckpt_N.ckpt) instead, if the job was ever requeued.

@@ -846,7 +846,8 @@ class SGDTPStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        if not _is_split(self.model):  # a split module (fit, then validate) already lives on its mesh's devices
+            self.model.to(self.root_device)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

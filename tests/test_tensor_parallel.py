@@ -76,11 +76,23 @@ def test_parity_with_one_process(case: str, tmp_path_factory: pytest.TempPathFac
         assert plan["bytes_per_step"]["total"] == 0  # no gradient all-reduce at dp=1
 
 
-def test_plan_is_printed_on_rank_0(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_validation_runs_through_the_split_model(tmp_path_factory: pytest.TempPathFactory) -> None:
     r = result("hybrid_gpt", tmp_path_factory)
     plan = r["info"]["plans"][0]["tensor_parallel_plan"]
     assert plan["styles"]["model.blocks.0.attn.qkv"] == "colwise"
     assert plan["replicated"]["model.pos_emb"].startswith("not the token embedding")
+    ref = json.loads((r["out"] / "ref_metrics.json").read_text())
+    ours = r["info"]["metrics"]
+    assert abs(ours["val_loss"] - ref["val_loss"]) < 1e-4, (ours, ref)
+
+
+def test_negative_control_without_data_parallel_sync_does_not_match(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The comparison can fail: the same hybrid run with the dp all-reduce switched off is far from the reference."""
+    r = result("hybrid_no_dp_sync_control", tmp_path_factory)
+    rel = rel_update_diff(r["init"], r["ref"], r["sgdtp"])
+    assert rel > 20 * REL_TOL["fp32"], rel
+    errors = [float((r["grads"][n] - g).norm() / g.norm()) for n, g in r["ref_grads"].items()]
+    assert max(errors) > 100 * GRAD_TOL["fp32"], max(errors)
 
 
 @pytest.mark.parametrize("case", ["resume_tp_to_tp", "resume_tp_to_dp", "resume_dp_to_tp"])

@@ -32,7 +32,15 @@ CASES: dict[str, tuple[Any, int, list[dict[str, Any]], dict[str, Any]]] = {
     "tensor_gpt_clip": (small_gpt, 2, [{"parallelism": "tensor"}], {"gradient_clip_val": 0.3}),
     "tensor_mha": (MHALanguageModel, 2, [{"parallelism": "tensor"}], {}),
     "tensor_bf16": (small_gpt, 2, [{"parallelism": "tensor"}], {"precision": "bf16-mixed"}),
-    "hybrid_gpt": (small_gpt, 4, [{"parallelism": "hybrid", "tensor_parallel_size": 2}], {}),
+    # validation through the split model, twice during training
+    "hybrid_gpt": (
+        small_gpt,
+        4,
+        [{"parallelism": "hybrid", "tensor_parallel_size": 2}],
+        {"limit_val_batches": 2, "val_check_interval": 3},
+    ),
+    # negative control: the data-parallel all-reduce switched off (must NOT match)
+    "hybrid_no_dp_sync_control": (small_gpt, 4, [{"parallelism": "hybrid", "tensor_parallel_size": 2}], {}),
     "hybrid_mha_clip": (
         MHALanguageModel,
         4,
@@ -107,6 +115,19 @@ class SaveAt(L.Callback):
                 torch.save(saved, self.out / "saved.pt")
 
 
+def switch_off_dp_sync(strategy: SGDTPStrategy) -> None:
+    """After setup: no in-graph data-parallel all-reduce, no fallback (the control must then fail to match)."""
+    setup = strategy._setup_training
+
+    def setup_then_switch_off(trainer: L.Trainer) -> None:
+        setup(trainer)
+        strategy._compiler.in_graph_sync = False
+        strategy._ledger.sync = lambda record, everything=False: []
+        strategy._ledger.uncovered = lambda params=None: []
+
+    strategy._setup_training = setup_then_switch_off
+
+
 def shuffled_like_lightning(data: DataLoader, batch_size: int) -> DataLoader:
     """One process reading what all data-parallel ranks read together: Lightning gives every rank a shuffling
     DistributedSampler (seed 0); rank r takes every dp-th index of one permutation, so step k's global batch is
@@ -124,7 +145,8 @@ def main(case: str, out: Path) -> None:
         torch.save(params(ref_model), out / "init.pt")
         ref_grads = FirstStepGrads()
         ref = trainer("auto", 1, out / "ref", callbacks=[ref_grads], **trainer_kwargs)
-        ref.fit(ref_model, shuffled_like_lightning(token_data(), global_batch))
+        ref.fit(ref_model, shuffled_like_lightning(token_data(), global_batch), token_data(batch_size=global_batch))
+        (out / "ref_metrics.json").write_text(json.dumps({k: float(v) for k, v in ref.callback_metrics.items()}))
         torch.save(params(ref_model), out / "ref.pt")
         torch.save(ref_grads.grads, out / "ref_grads.pt")
 
@@ -139,8 +161,12 @@ def main(case: str, out: Path) -> None:
         callbacks = [grads] + ([SaveAt(steps, ckpt, out)] if i + 1 < len(phases) else [])
         run = trainer(strategy, devices, out / f"sgdtp{i}", callbacks=callbacks, max_steps=steps, **trainer_kwargs)
         per_rank = global_batch // dp_size(kwargs, devices)
-        run.fit(model, token_data(batch_size=per_rank), ckpt_path=str(ckpt) if i else None)
+        if case.endswith("_control"):
+            switch_off_dp_sync(strategy)
+        val = token_data(batch_size=per_rank)
+        run.fit(model, token_data(batch_size=per_rank), val, ckpt_path=str(ckpt) if i else None)
         plans.append(strategy.plan)
+        metrics = {k: float(v) for k, v in run.callback_metrics.items()}
         final = params(model)
         if i + 1 < len(phases):  # the next phase starts from a fresh module (other weights), as a new job would
             torch.manual_seed(1)  # (not seed_everything: PL_GLOBAL_SEED seeds the distributed sampler's shuffle)
@@ -149,7 +175,7 @@ def main(case: str, out: Path) -> None:
     if run.global_rank == 0:
         torch.save(final, out / "sgdtp.pt")
         torch.save(grads.grads, out / "grads.pt")
-        (out / "info.json").write_text(json.dumps({"plans": plans, "ckpt": str(ckpt)}, default=str))
+        (out / "info.json").write_text(json.dumps({"plans": plans, "ckpt": str(ckpt), "metrics": metrics}, default=str))
 
 
 if __name__ == "__main__":
