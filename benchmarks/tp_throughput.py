@@ -121,19 +121,27 @@ def _worker(args: argparse.Namespace) -> None:
             self._parallelized = True
 
     class Meter(Callback):
-        """Rank 0's batch times; every rank's losses and peak RSS, gathered at the end."""
+        """Rank 0's batch times; every rank's losses, peak RSS and CPU time over the timed steps, gathered at the end."""
 
         def __init__(self) -> None:
             self.batch: list[float] = []
             self.losses: list[float] = []
             self._t0 = 0.0
+            self.window: list[tuple[float, float, tuple[int, int]]] = []  # (wall, own CPU s, /proc/stat) at both ends
             self.gathered: list[Any] = []
 
+        def _mark(self) -> None:
+            self.window.append((time.perf_counter(), time.process_time(), _proc_stat()))
+
         def on_train_batch_start(self, *a: Any) -> None:
+            if len(self.batch) == args.warmup:
+                self._mark()
             self._t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *a: Any) -> None:
             self.batch.append(time.perf_counter() - self._t0)
+            if len(self.batch) == total:
+                self._mark()
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             self.losses.append(float(loss.detach()))  # this replica's loss (a plain tensor in every contender)
 
@@ -142,7 +150,8 @@ def _worker(args: argparse.Namespace) -> None:
 
             rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
             self.gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(self.gathered, {"rss_mib": rss_mib, "losses": self.losses})
+            mine = {"rss_mib": rss_mib, "losses": self.losses, "window": self.window}
+            dist.all_gather_object(self.gathered, mine)
 
     L.seed_everything(SEED, verbose=False)  # every rank builds the same initial weights (mp broadcasts nothing)
     model = (HandPlannedGPT if contender.startswith("mp") else GPTLightningModule)(**hparams)
@@ -194,6 +203,7 @@ def _worker(args: argparse.Namespace) -> None:
             # the global batch's loss per step: the mean over ranks (tp ranks of one replica hold the same loss)
             "loss": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(len(ranks[0]["losses"]))],
             "frames_compiled": _frames_compiled(),
+            "others_busy": _others_busy([r["window"] for r in ranks]),
             "graphs_compiled": int(counters["stats"]["unique_graphs"]),
             "graph_breaks": int(sum(counters["graph_break"].values())),
         }
@@ -209,6 +219,31 @@ def _worker(args: argparse.Namespace) -> None:
                 "bytes_per_step": plan["bytes_per_step"],
             }
         args.out.write_text(json.dumps(result))
+
+
+def _proc_stat() -> tuple[int, int]:
+    """All CPUs' (total, idle + iowait) jiffies so far (Linux; zeros elsewhere)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return sum(fields[:8]), fields[3] + fields[4]
+
+
+def _others_busy(windows: list[list[tuple[float, float, tuple[int, int]]]]) -> float | None:
+    """The share of all CPUs that processes other than our ranks used during the timed steps.
+
+    The machine's busy share over rank 0's window (``/proc/stat``) minus our ranks' own CPU time (each rank's
+    ``process_time``: all its threads, gloo's included) over the same wall time.
+    """
+    if not windows or any(len(w) != 2 for w in windows):
+        return None
+    (wall0, _, (tot0, idle0)), (wall1, _, (tot1, idle1)) = windows[0]
+    if tot1 <= tot0 or wall1 <= wall0:
+        return None
+    busy = 1.0 - (idle1 - idle0) / (tot1 - tot0)
+    ours = sum(w[1][1] - w[0][1] for w in windows) / ((os.cpu_count() or 1) * (wall1 - wall0))
+    return round(max(0.0, busy - ours), 3)
 
 
 def _frames_compiled() -> int:
@@ -306,8 +341,9 @@ def main_driver(args: argparse.Namespace) -> int:
                     runs.setdefault(name, []).append(res)
                     print(
                         f"[round {r + 1}/{args.rounds}] {name:9s} {_median_ms(res['batch_s']):7.1f} ms/step, first"
-                        f" step {res['warmup_s'][0]:5.1f}s, run {res['wall_s']:4.0f}s; CPUs busy before"
-                        f" {100 * res['load_before']:.0f}%, after {100 * res['load_after']:.0f}%",
+                        f" step {res['warmup_s'][0]:5.1f}s, run {res['wall_s']:4.0f}s; other processes' CPU share:"
+                        f" before {_pct(res['load_before'])}, timed steps {_pct(res['others_busy'])},"
+                        f" after {_pct(res['load_after'])}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -341,7 +377,8 @@ def main_driver(args: argparse.Namespace) -> int:
             "step_ms": [[round(1e3 * t, 2) for t in x["batch_s"]] for x in rs],
             "peak_rss_mib": [round(max(rank), 1) for rank in zip(*(x["rss_mib"] for x in rs), strict=True)],
             "fit_s": [round(x["fit_s"], 1) for x in rs],
-            "cpu_busy_before_after": [[round(x["load_before"], 3), round(x["load_after"], 3)] for x in rs],
+            "others_busy": [x["others_busy"] for x in rs],
+            "others_busy_before_after": [[round(x["load_before"], 3), round(x["load_after"], 3)] for x in rs],
             "final_loss": round(res["loss"][-1], 5),
             "max_loss_diff_vs_first": round(
                 max(abs(a - b) for x in rs for a, b in zip(x["loss"], ref_loss, strict=True)), 6
@@ -355,7 +392,7 @@ def main_driver(args: argparse.Namespace) -> int:
 
     header = (
         f"{'contender':10s} {'user code':15s} {'compiled':17s} {'ms/step':>8s} {'tokens/s':>9s} {'x mp':>5s}"
-        f" {'1st step':>8s} {'peak RSS':>9s} {'loss':>7s}  rounds ms/step"
+        f" {'1st step':>8s} {'peak RSS':>9s} {'loss':>7s} {'others':>6s}  rounds ms/step"
     )
     print(header)
     print("-" * (len(header) + 6))
@@ -364,13 +401,14 @@ def main_driver(args: argparse.Namespace) -> int:
         print(
             f"{r['contender']:10s} {r['user_code']:15s} {compiled:17s} {r['ms_per_step']:8.1f}"
             f" {r['tokens_per_s']:9.0f} {_fmt(r.get('throughput_vs_mp'), '5.2f')} {r['first_step_s']:7.1f}s"
-            f" {max(r['peak_rss_mib']):5.0f} MiB {r['final_loss']:7.4f}  {'/'.join(f'{x:.0f}' for x in r['round_ms'])}"
+            f" {max(r['peak_rss_mib']):5.0f} MiB {r['final_loss']:7.4f} {_pct(_max(r['others_busy'])):>6s}"
+            f"  {'/'.join(f'{x:.0f}' for x in r['round_ms'])}"
         )
     by_name = {r["contender"]: r for r in rows}
     ratio = by_name["sgdtp"].get("throughput_vs_mp") if "sgdtp" in by_name else None
     loss_ok = all(r["max_loss_diff_vs_first"] <= 1e-3 for r in rows) if rows else None
-    loads = [x[k] for rs in runs.values() for x in rs for k in ("load_before", "load_after")]
-    busy = statistics.median(loads) if loads else 0.0
+    loads = [x["others_busy"] for rs in runs.values() for x in rs if x["others_busy"] is not None]
+    busy = max(loads, default=0.0)
     print(
         "\n"
         + "\n".join(f"{name}: {CONTENDERS[name][0]}" for name in runs)
@@ -382,9 +420,9 @@ def main_driver(args: argparse.Namespace) -> int:
         f" tokens per step / that; x mp: tokens/s over {base_name or 'mp'}'s; compiled: Dynamo graphs (g) and graph"
         " breaks (brk) on rank 0; 1st step: the first batch (compilation included); peak RSS: max over ranks of"
         " ru_maxrss; loss: the global batch's loss at the last step."
-        f"\nSame loss curve in every contender (max |diff| <= 1e-3 against the first): {loss_ok}. Other processes"
-        f" used {100 * busy:.0f}% (median; max {100 * max(loads, default=0.0):.0f}%) of the CPUs just before and"
-        f" after each run{' -- BUSY MACHINE: times are inflated and noisy' if busy > QUIET else ''}."
+        f"\nSame loss curve in every contender (max |diff| <= 1e-3 against the first): {loss_ok}. others: the share"
+        f" of the CPUs other processes used during a run's timed steps (max over rounds); max {_pct(busy)}"
+        f"{' -- BUSY MACHINE: times are inflated and noisy' if busy > QUIET else ''}."
         + "".join(f"\nNote: {n}" for n in notes)
         + f" Total {time.perf_counter() - started:.0f}s."
     )
@@ -411,7 +449,8 @@ def main_driver(args: argparse.Namespace) -> int:
             "lightning_sgdtp": _version("lightning-sgdtp"),
             "plugin_commit": _git_commit(),
         },
-        "other_cpu_busy": {"median": round(busy, 3), "max": round(max(loads, default=0.0), 3)},
+        "other_cpu_busy_max": round(busy, 3),
+        "busy_machine": busy > QUIET,
         "results": rows,
         "baseline": base_name,
         "ratio_sgdtp_over_mp": ratio,
@@ -429,6 +468,15 @@ def main_driver(args: argparse.Namespace) -> int:
 
 def _median_ms(values: list[float]) -> float:
     return 1e3 * statistics.median(values)
+
+
+def _max(xs: list[float | None]) -> float | None:
+    known = [x for x in xs if x is not None]
+    return max(known) if known else None
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def _fmt(x: float | None, spec: str) -> str:

@@ -15,6 +15,7 @@ Loops, callbacks, logging and checkpoint files stay Lightning's; we own four thi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -644,8 +645,32 @@ class SGDTPStrategy(ParallelStrategy):
         with self._guard("training_step"):
             if self._config.broadcast_buffers:
                 self._broadcast_buffers()
-            with self.precision_plugin.train_step_context():
+            with self.precision_plugin.train_step_context(), self._split_context():
                 return self._compiled("training_step")(*args, **kwargs)
+
+    def _split_context(self) -> contextlib.AbstractContextManager:
+        """With split parameters, plain tensors met in the model (inputs, buffers, masks, rotary tables) count as
+        replicated: they are the same on every rank of a tensor-parallel group (DTensor's implicit replication)."""
+        if self._mesh is None:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        return implicit_replication()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._split_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._split_context():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._split_context():
+            return super().predict_step(*args, **kwargs)
 
     def _broadcast_buffers(self) -> None:
         assert self.lightning_module is not None
@@ -662,7 +687,8 @@ class SGDTPStrategy(ParallelStrategy):
         with self._guard("backward"):
             self.pre_backward(closure_loss)
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            with self._split_context():
+                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
             self._sync_after_backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)

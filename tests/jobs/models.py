@@ -138,3 +138,67 @@ class MHALanguageModel(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class LlamaAttention(nn.Module):
+    """Separate q/k/v/o projections (Llama's names), heads found with ``view(..., -1, head_dim)``, and a plain
+    per-position scale buffer (a stand-in for rotary tables) multiplied into q and k."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = heads, width // heads
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(width, width, bias=False) for _ in range(3))
+        self.o_proj = nn.Linear(width, width, bias=False)
+        self.register_buffer("pos_scale", torch.linspace(0.5, 1.5, SEQ).view(1, SEQ, 1, 1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, -1, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = q * self.pos_scale[:, :t], k * self.pos_scale[:, :t]
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(width, 2 * width, bias=False), nn.Linear(width, 2 * width, bias=False)
+        self.down_proj = nn.Linear(2 * width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.self_attn, self.mlp = LlamaAttention(width, heads), LlamaMLP(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaLike(L.LightningModule):
+    """A Llama-shaped language model (untied embedding and head, RMSNorm, SwiGLU)."""
+
+    def __init__(self, lr: float = 1e-2, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.lr = lr
+        self.embed_tokens = nn.Embedding(VOCAB, width)
+        self.layers = nn.ModuleList(LlamaLayer(width, heads) for _ in range(2))
+        self.norm = nn.RMSNorm(width)
+        self.lm_head = nn.Linear(width, VOCAB, bias=False)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.embed_tokens(x)
+        for layer in self.layers:
+            h = layer(h)
+        loss = F.cross_entropy(self.lm_head(self.norm(h)).reshape(-1, VOCAB), y.reshape(-1))
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from models import MHALanguageModel, small_gpt, token_data
+from models import LlamaLike, MHALanguageModel, small_gpt, token_data
 
 from lightning_sgdtp import SGDTPStrategy
 
@@ -31,7 +31,7 @@ STEPS, BATCH = 6, 4
 CASES: dict[str, tuple[Any, int, list[dict[str, Any]], dict[str, Any]]] = {
     "tensor_gpt_clip": (small_gpt, 2, [{"parallelism": "tensor"}], {"gradient_clip_val": 0.3}),
     "tensor_mha": (MHALanguageModel, 2, [{"parallelism": "tensor"}], {}),
-    "tensor_bf16": (small_gpt, 2, [{"parallelism": "tensor"}], {"precision": "bf16-mixed"}),
+    "tensor_llama_bf16": (LlamaLike, 2, [{"parallelism": "tensor"}], {"precision": "bf16-mixed"}),
     # validation through the split model, twice during training
     "hybrid_gpt": (
         small_gpt,
