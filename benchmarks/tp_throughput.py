@@ -1,7 +1,8 @@
 """Hybrid tensor + data parallel: sgdtp's automatic plan against Lightning's ``ModelParallelStrategy``, same run.
 
-    python benchmarks/tp_throughput.py                       # sgdtp, mp, ddp: ~5 min on 2 cores
-    python benchmarks/tp_throughput.py --contenders sgdtp,mp --steps 20
+    python benchmarks/tp_throughput.py                       # sgdtp, mp, ddp; 3 rounds: ~4 min on 2 quiet cores
+    python benchmarks/tp_throughput.py --contenders sgdtp,mp --rounds 1
+    python benchmarks/tp_throughput.py --contenders "mp,mp(eager)" --rounds 1   # what compile gives the hand plan
     python benchmarks/tp_throughput.py --n-layer 2 --n-embd 256 --batch-size 8 --seq 128
 
 The model is ``examples/gpt.py``'s ``GPTLightningModule``, random tokens (fixed seed), the same global batch for
@@ -13,14 +14,17 @@ every contender, ``Trainer(accelerator="cpu", devices=4, ...)``: 4 gloo ranks, o
 - ``mp``: Lightning's ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)`` with a subclass
   of the same module whose ``configure_model`` holds what a Lightning user writes by hand: a
   ``parallelize_module`` plan, ``torch.compile`` per block, FSDP2 ``fully_shard`` over the data-parallel mesh.
-  If the compiled run fails, the driver runs it again eager (``mp(eager)``) and says so.
+  If the compiled run fails, the driver runs it again eager (``mp(eager)``, also selectable) and says so.
 - ``ddp``: plain ``strategy="ddp"`` on 4 ranks, eager (a familiar baseline; no tensor parallelism).
 
 Each contender is one subprocess (``--worker``) started by the driver in its own session with a hard
 timeout; Lightning's launcher re-runs the same command line for ranks 1-3, and the driver kills the whole
-process group when the run ends. Rank 0 times every batch with a Callback (``on_train_batch_start`` ->
-``on_train_batch_end``, no barriers); the first ``--warmup`` batches (compilation) are dropped and the first
-one is reported separately. The driver prints a table and, LAST, one JSON line with every figure.
+process group when the run ends. Each round runs every contender once (the order alternates between
+rounds). Rank 0 times every batch with a Callback (``on_train_batch_start`` -> ``on_train_batch_end``, no
+barriers); the first ``--warmup`` batches (compilation) are dropped and the first one is reported separately.
+Every rank reports its losses, peak RSS and CPU time; from the CPU times the worker tells how much of the machine
+other processes took during the timed steps. The driver prints a table and, LAST, one JSON line with every figure
+(``target_met``: sgdtp's tokens/s at least ``mp``'s).
 """
 
 from __future__ import annotations
@@ -522,15 +526,15 @@ def _cpu_busy(seconds: float = 1.0) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contenders", default=DEFAULT_CONTENDERS, help="comma-separated subset of: sgdtp,mp,ddp")
-    p.add_argument("--steps", type=int, default=30, help="timed steps per contender run (30)")
+    p.add_argument("--contenders", default=DEFAULT_CONTENDERS, help="comma-separated subset of: sgdtp,mp,mp(eager),ddp")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per contender run (20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed first steps, compilation included (5)")
     p.add_argument("--n-layer", type=int, default=4, help="GPT layers (4)")
     p.add_argument("--n-head", type=int, default=4, help="attention heads, divisible by the tp size 2 (4)")
     p.add_argument("--n-embd", type=int, default=128, help="GPT width (128)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch in sequences, same for all (16)")
     p.add_argument("--seq", type=int, default=128, help="sequence length = the GPT's block_size (128)")
-    p.add_argument("--rounds", type=int, default=1, help="runs per contender, order alternating; medians (1)")
+    p.add_argument("--rounds", type=int, default=3, help="runs per contender, order alternating; medians (3)")
     p.add_argument(
         "--wait-quiet",
         type=float,

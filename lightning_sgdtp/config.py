@@ -137,6 +137,13 @@ class SGDTPConfig:
 
     def _check_tensor_parallel(self) -> None:
         size, plan = self.tensor_parallel_size, self.tp_plan
+        if self.parallelism != "data" and self.activation_checkpointing:
+            raise NotAvailableYetError(
+                f"activation_checkpointing=True with parallelism={self.parallelism!r} is not available yet: on torch"
+                " 2.13 AOTAutograd cannot save a checkpointed region's split (DTensor) inputs (it fails at the first"
+                " step with 'expected all tensors_saved_with_vc_check to be Tensors'). Use activation_checkpointing"
+                " with parallelism='data', or a larger tensor_parallel_size to fit the activations."
+            )
         if self.parallelism == "data":
             for name, value in (("tensor_parallel_size", size), ("tp_plan", plan)):
                 if value is not None:

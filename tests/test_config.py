@@ -31,6 +31,7 @@ def test_explicit_keywords_win_over_options() -> None:
         ({"parallelism": "hybrid", "tensor_parallel_size": "two"}, SGDTPConfigError, ["positive int"]),
         ({"parallelism": "tensor", "tp_plan": {"a.*": "diagonal"}}, SGDTPConfigError, ["tp_plan['a.*']", "colwise"]),
         ({"parallelism": "tensor", "tp_plan": {}}, SGDTPConfigError, ["tp_plan", "non-empty"]),
+        ({"parallelism": "hybrid", "activation_checkpointing": True}, NotAvailableYetError, ["parallelism='data'"]),
         ({"bucket_cap_mb": 0}, SGDTPConfigError, ["bucket_cap_mb", "> 0"]),
         ({"bucket_cap_mb": -3}, SGDTPConfigError, ["bucket_cap_mb"]),
         ({"bucket_cap_mb": "25"}, SGDTPConfigError, ["bucket_cap_mb", "number"]),

@@ -203,8 +203,8 @@ def sgdtp_backend(
     if config.parallelism == "hybrid":
         raise SGDTPConfigError(
             'torch.compile(backend="sgdtp") with "strategy": "hybrid" cannot know your data-parallel group. Train'
-            ' with Trainer(strategy=SGDTPStrategy(parallelism="hybrid")), or build the backend yourself:'
-            ' SGDTPCompiler(config, group=mesh["dp"].get_group()).'
+            ' with Trainer(strategy=SGDTPStrategy(parallelism="hybrid")), or pass the backend object itself:'
+            ' torch.compile(module.forward, backend=SGDTPCompiler(config, group=mesh["dp"].get_group())).'
         )
     if config.parallelism == "tensor":
         # Every rank is in the one tensor-parallel group: no gradient to average. DTensor's own collectives are

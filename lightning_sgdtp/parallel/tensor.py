@@ -199,7 +199,7 @@ def resolve_plan(module: nn.Module, patterns: dict[str, str], tp: int) -> Tensor
             if not isinstance(m, (nn.Linear, nn.Embedding)):
                 raise TensorPlanError(
                     f"tp_plan[{pattern!r}] matches {n!r}, a {type(m).__name__}: only nn.Linear and nn.Embedding"
-                    " can be split. Make the pattern name the linear layers inside it (e.g. f'{n}.*')."
+                    f" can be split. Make the pattern name the linear layers inside it (e.g. '{n}.*')."
                 )
             if isinstance(m, nn.Embedding) and style != "rowwise":
                 raise TensorPlanError(
