@@ -68,7 +68,7 @@ def save(
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         if old.is_dir():
             shutil.rmtree(old)
         elif old.exists():
@@ -159,7 +159,8 @@ def consolidate(path: str | os.PathLike, output: str | os.PathLike) -> Path:
     return output
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -131,7 +131,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         # What saves killed mid-write left behind (never a file Lightning would load: the name does not match).
         for stale in target.parent.glob(f".{target.name}.tmp-*"):
             stale.unlink(missing_ok=True)
-        _fsync_dir(target.parent)
+        sharded.fsync_dir(target.parent)
         self._record(target)
         return None
 
@@ -153,14 +153,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def _record(self, target: Path) -> None:
         """Update (and sign) the folder's manifest for the file just written or removed."""
         sign_with(target.parent, self.signing_key, record_files(target.parent, [target.name]))
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SGDTPStrategy(ParallelStrategy):
