@@ -21,6 +21,7 @@ import inspect
 import json
 import logging
 import os
+import shutil
 import sys
 import sysconfig
 import uuid
@@ -130,7 +131,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             tmp.unlink(missing_ok=True)
         # What saves killed mid-write left behind (never a file Lightning would load: the name does not match).
         for stale in target.parent.glob(f".{target.name}.tmp-*"):
-            stale.unlink(missing_ok=True)
+            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
         sharded.fsync_dir(target.parent)
         self._record(target)
         return None
