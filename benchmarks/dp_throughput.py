@@ -24,7 +24,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
+
+from harness import cpu_busy, fmt, frames_compiled, free_port, git_commit, median_ms, version
 
 # variant -> (strategy kind, torch.compile the LightningModule's inner network (default Inductor), SGDTPStrategy kwargs).
 # sgdtp gets the plain module: the strategy compiles the training step itself (and refuses a compiled module).
@@ -226,10 +227,10 @@ def _worker(
                 model.net = torch.compile(model.net)
             else:
                 model.model = torch.compile(model.model)
-        frames_before = _frames_compiled()
+        frames_before = frames_compiled()
         trainer.fit(model, loader)
         fit_s = time.perf_counter() - t0
-        frames = _frames_compiled() - frames_before
+        frames = frames_compiled() - frames_before
         # Proof of what was measured: replicas agree after a synced run and diverge after a floor run.
         checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
         sums: list[Any] = [None] * dist.get_world_size()
@@ -279,20 +280,7 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _frames_compiled() -> int:
-    """How many frames Dynamo has compiled in this process so far (proof that a compiled variant compiled)."""
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return len(compilation_time_metrics.get("_compile.compile_inner", []))
-
-
 # ------------------------------------------------------------------------------------------------ driver
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_worker(
     workload: str,
     variant: str,
@@ -310,7 +298,7 @@ def _run_worker(
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
     env.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         OMP_NUM_THREADS="1",
         PYTHONWARNINGS="ignore",
         PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
@@ -319,10 +307,10 @@ def _run_worker(
     cmd += ["--steps", str(steps), "--warmup", str(warmup), "--phases", ",".join(phases)]
     if profile_to is not None:
         cmd += ["--profile", str(profile_to.resolve())]
-    load_before = _cpu_busy()  # before our ranks start: what else runs on this machine
+    load_before = cpu_busy()  # before our ranks start: what else runs on this machine
     deadline = time.monotonic() + wait_quiet
     while load_before > QUIET and time.monotonic() < deadline:
-        load_before = _cpu_busy(2.0)
+        load_before = cpu_busy(2.0)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -342,14 +330,6 @@ def _run_worker(
     result = json.loads(out.read_text())
     result["load_before"] = load_before
     return result
-
-
-def _median_ms(values: list[float]) -> float | None:
-    return 1e3 * statistics.median(values) if values else None
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
 
 
 def main_driver(args: argparse.Namespace) -> int:
@@ -402,11 +382,11 @@ def main_driver(args: argparse.Namespace) -> int:
                         continue
                     runs.setdefault((w, v), []).append(res)
                     loads.append(res["load_before"])
-                    step = _median_ms(res["sync"]["batch_s"])
-                    floor_ms = _median_ms(res["nosync"]["batch_s"]) if floor else None
+                    step = median_ms(res["sync"]["batch_s"])
+                    floor_ms = median_ms(res["nosync"]["batch_s"]) if floor else None
                     print(
-                        f"[round {r + 1}/{rounds}] {w:4s} {v:21s} step {_fmt(step, '8.1f')} ms  floor"
-                        f" {_fmt(floor_ms, '8.1f')} ms  ({time.perf_counter() - t0:5.1f}s)",
+                        f"[round {r + 1}/{rounds}] {w:4s} {v:21s} step {fmt(step, '8.1f')} ms  floor"
+                        f" {fmt(floor_ms, '8.1f')} ms  ({time.perf_counter() - t0:5.1f}s)",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -421,8 +401,8 @@ def main_driver(args: argparse.Namespace) -> int:
             floor_rs = runs.get((w, FLOOR_OF.get(v, v)), [])
             if not rs or not floor_rs:
                 continue  # every run of it (or of its floor) failed: listed under "failures"
-            step_rounds = [_median_ms(r["sync"]["batch_s"]) for r in rs]
-            floor_rounds = [_median_ms(r["nosync"]["batch_s"]) for r in floor_rs]
+            step_rounds = [median_ms(r["sync"]["batch_s"]) for r in rs]
+            floor_rounds = [median_ms(r["nosync"]["batch_s"]) for r in floor_rs]
             comm_rounds = [r["sync"]["comm_alone_ms"] for r in rs if r["sync"].get("comm_alone_ms") is not None]
             step = statistics.median(step_rounds)
             floor = statistics.median(floor_rounds)
@@ -440,8 +420,8 @@ def main_driver(args: argparse.Namespace) -> int:
                 "exposed_comm_fraction": round((step - floor) / step, 3),
                 "comm_alone_ms": round(comm, 2) if comm is not None else None,
                 "comm_hidden_fraction": round((floor + comm - step) / comm, 3) if comm else None,
-                "period_ms": round(statistics.median([_median_ms(r["sync"]["period_s"]) for r in rs]), 2),
-                "floor_period_ms": round(statistics.median([_median_ms(r["nosync"]["period_s"]) for r in floor_rs]), 2),
+                "period_ms": round(statistics.median([median_ms(r["sync"]["period_s"]) for r in rs]), 2),
+                "floor_period_ms": round(statistics.median([median_ms(r["nosync"]["period_s"]) for r in floor_rs]), 2),
                 "page_faults_per_step": statistics.median([statistics.median(r["sync"]["page_faults"]) for r in rs]),
                 "floor_page_faults_per_step": statistics.median(
                     [statistics.median(r["nosync"]["page_faults"]) for r in floor_rs]
@@ -479,8 +459,8 @@ def main_driver(args: argparse.Namespace) -> int:
         hidden = row["comm_hidden_fraction"]
         print(
             f"{row['workload']:8s} {row['variant']:21s} {row['ms_per_step']:8.1f} {row['floor_ms']:7.1f}"
-            f" {_fmt(row['comm_alone_ms'], '6.1f')} {_fmt(row['ratio_to_ddp'], '6.2f')}"
-            f" {100 * row['exposed_comm_fraction']:7.1f}% {_fmt(None if hidden is None else 100 * hidden, '6.0f')}%"
+            f" {fmt(row['comm_alone_ms'], '6.1f')} {fmt(row['ratio_to_ddp'], '6.2f')}"
+            f" {100 * row['exposed_comm_fraction']:7.1f}% {fmt(None if hidden is None else 100 * hidden, '6.0f')}%"
             f"  {spread:16s} {buckets}"
         )
     sync_ok = all(all(r["replicas_equal"]) for r in rows) if rows else None
@@ -517,10 +497,10 @@ def main_driver(args: argparse.Namespace) -> int:
             "warmup_steps": warmup,
             "timed_steps": {w: steps_for(w) for w in workloads},
             "cpu_count": os.cpu_count(),
-            "torch": _version("torch"),
-            "lightning": _version("lightning"),
-            "lightning_sgdtp": _version("lightning-sgdtp"),
-            "plugin_commit": _git_commit(),
+            "torch": version("torch"),
+            "lightning": version("lightning"),
+            "lightning_sgdtp": version("lightning-sgdtp"),
+            "plugin_commit": git_commit(),
         },
         "other_cpu_busy": {"median": round(busy, 3), "max": round(max(loads, default=0.0), 3)},
         "results": rows,
@@ -537,43 +517,6 @@ def main_driver(args: argparse.Namespace) -> int:
         print(f"FAILED: {failure}")
     print(json.dumps(summary, separators=(",", ":")))
     return 1 if failures else 0
-
-
-def _version(dist_name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist_name)
-    except PackageNotFoundError:
-        return None
-
-
-def _git_commit() -> str | None:
-    """The commit of this checkout (``+dirty`` when lightning_sgdtp/ has uncommitted changes)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, check=False)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "lightning_sgdtp"], cwd=REPO, capture_output=True, check=False
-        )
-    except OSError:
-        return None
-    return (head.stdout.decode().strip() + ("+dirty" if dirty.stdout.strip() else "")) or None
-
-
-def _cpu_busy(seconds: float = 1.0) -> float:
-    """Fraction of all CPUs busy over the next ``seconds`` (Linux /proc/stat; 0.0 elsewhere)."""
-
-    def sample() -> tuple[int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(fields[:8]), fields[3] + fields[4]  # total, idle + iowait
-
-    try:
-        t0, i0 = sample()
-        time.sleep(seconds)
-        t1, i1 = sample()
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return max(0.0, 1.0 - (i1 - i0) / max(1, t1 - t0))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

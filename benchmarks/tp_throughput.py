@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
+
+from harness import cpu_busy, fmt, frames_compiled, free_port, git_commit, median_ms, version
+
 DEVICES = 4
 DP, TP = 2, 2
 SEED = 1234
@@ -51,7 +53,7 @@ SEED = 1234
 CONTENDERS: dict[str, tuple[str, str]] = {
     "sgdtp": ("SGDTPStrategy(hybrid, tp=2), automatic plan", "none"),
     "mp": ("ModelParallelStrategy(dp=2, tp=2), hand plan", "configure_model"),
-    "mp(eager)": ("ModelParallelStrategy(dp=2, tp=2), hand plan", "configure_model"),
+    "mp(eager)": ("ModelParallelStrategy(dp=2, tp=2), hand plan, no torch.compile", "configure_model"),
     "ddp": ("DDP, 4 ranks, eager", "none"),
 }
 DEFAULT_CONTENDERS = "sgdtp,mp,ddp"
@@ -109,7 +111,8 @@ def _worker(args: argparse.Namespace) -> None:
             }
             for i in range(len(model.blocks)):
                 # qkv / fc keep DTensor outputs: the model's view/chunk/attention/GELU run on global shapes.
-                # The fused qkv is head-major, so splitting its output features splits by head.
+                # The fused qkv is head-major, so splitting its output features splits by head. The projections
+                # get DTensors sharded on the last dim: RowwiseParallel's default input_layouts (Shard(-1)).
                 plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel(use_local_output=False)
                 plan[f"blocks.{i}.attn.proj"] = RowwiseParallel()
                 plan[f"blocks.{i}.mlp.fc"] = ColwiseParallel(use_local_output=False)
@@ -125,7 +128,7 @@ def _worker(args: argparse.Namespace) -> None:
             self._parallelized = True
 
     class Meter(Callback):
-        """Rank 0's batch times; every rank's losses, peak RSS and CPU time over the timed steps, gathered at the end."""
+        """Rank 0's batch times; every rank's losses, peak RSS and CPU time in the timed steps, gathered at the end."""
 
         def __init__(self) -> None:
             self.batch: list[float] = []
@@ -206,7 +209,7 @@ def _worker(args: argparse.Namespace) -> None:
             "rss_mib": [r["rss_mib"] for r in ranks],
             # the global batch's loss per step: the mean over ranks (tp ranks of one replica hold the same loss)
             "loss": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(len(ranks[0]["losses"]))],
-            "frames_compiled": _frames_compiled(),
+            "frames_compiled": frames_compiled(),
             "others_busy": _others_busy([r["window"] for r in ranks]),
             "graphs_compiled": int(counters["stats"]["unique_graphs"]),
             "graph_breaks": int(sum(counters["graph_break"].values())),
@@ -250,27 +253,14 @@ def _others_busy(windows: list[list[tuple[float, float, tuple[int, int]]]]) -> f
     return round(max(0.0, busy - ours), 3)
 
 
-def _frames_compiled() -> int:
-    """How many frames Dynamo compiled in this process (proof that a compiled contender compiled)."""
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return len(compilation_time_metrics.get("_compile.compile_inner", []))
-
-
 # ------------------------------------------------------------------------------------------------ driver
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_worker(contender: str, args: argparse.Namespace, tmp: Path, round_tag: str) -> dict[str, Any]:
     tag = round_tag + "-" + contender.replace("(", "-").replace(")", "")
     out, log = tmp / f"{tag}.json", tmp / f"{tag}.log"
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
     env.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         OMP_NUM_THREADS="1",
         PYTHONWARNINGS="ignore",
         PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
@@ -278,10 +268,10 @@ def _run_worker(contender: str, args: argparse.Namespace, tmp: Path, round_tag: 
     cmd = [sys.executable, str(SCRIPT), "--worker", contender, "--out", str(out)]
     for flag in ("steps", "warmup", "n_layer", "n_head", "n_embd", "batch_size", "seq"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    load_before = _cpu_busy()  # before our ranks start: what else runs on this machine
+    load_before = cpu_busy()  # before our ranks start: what else runs on this machine
     deadline = time.monotonic() + args.wait_quiet
     while load_before > QUIET and time.monotonic() < deadline:
-        load_before = _cpu_busy(2.0)
+        load_before = cpu_busy(2.0)
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -302,7 +292,7 @@ def _run_worker(contender: str, args: argparse.Namespace, tmp: Path, round_tag: 
     result = json.loads(out.read_text())
     result["wall_s"] = time.perf_counter() - t0
     result["load_before"] = load_before
-    result["load_after"] = _cpu_busy()  # our processes are gone: anything busy now is someone else's
+    result["load_after"] = cpu_busy()  # our processes are gone: anything busy now is someone else's
     result["sgdtp_log"] = [line.rstrip() for line in text.splitlines() if "sgdtp:" in line]
     return result
 
@@ -344,7 +334,7 @@ def main_driver(args: argparse.Namespace) -> int:
                         continue
                     runs.setdefault(name, []).append(res)
                     print(
-                        f"[round {r + 1}/{args.rounds}] {name:9s} {_median_ms(res['batch_s']):7.1f} ms/step, first"
+                        f"[round {r + 1}/{args.rounds}] {name:9s} {median_ms(res['batch_s']):7.1f} ms/step, first"
                         f" step {res['warmup_s'][0]:5.1f}s, run {res['wall_s']:4.0f}s; other processes' CPU share:"
                         f" before {_pct(res['load_before'])}, timed steps {_pct(res['others_busy'])},"
                         f" after {_pct(res['load_after'])}",
@@ -356,7 +346,7 @@ def main_driver(args: argparse.Namespace) -> int:
                             print(f"  [{name}] {line}", file=sys.stderr)
 
     tokens = args.batch_size * args.seq
-    ms_of = {name: statistics.median(_median_ms(res["batch_s"]) for res in rs) for name, rs in runs.items()}
+    ms_of = {name: statistics.median(median_ms(res["batch_s"]) for res in rs) for name, rs in runs.items()}
     base_name = BASELINE if BASELINE in runs else ("mp(eager)" if "mp(eager)" in runs else None)
     ref_loss = next(iter(runs.values()))[0]["loss"] if runs else []
     rows = []
@@ -375,7 +365,7 @@ def main_driver(args: argparse.Namespace) -> int:
             "params": res["params"],
             "ms_per_step": round(ms, 2),
             "tokens_per_s": round(tps, 1),
-            "round_ms": [round(_median_ms(x["batch_s"]), 2) for x in rs],
+            "round_ms": [round(median_ms(x["batch_s"]), 2) for x in rs],
             "first_step_s": round(statistics.median(x["warmup_s"][0] for x in rs), 2),
             "warmup_s": [[round(t, 3) for t in x["warmup_s"]] for x in rs],
             "step_ms": [[round(1e3 * t, 2) for t in x["batch_s"]] for x in rs],
@@ -401,18 +391,21 @@ def main_driver(args: argparse.Namespace) -> int:
     print(header)
     print("-" * (len(header) + 6))
     for r in rows:
+        marks = ["*" if (b or 0) > QUIET else "" for b in r["others_busy"]]
+        spread = "/".join(f"{x:.0f}{m}" for x, m in zip(r["round_ms"], marks, strict=True))
         compiled = f"yes ({r['graphs_compiled']}g, {r['graph_breaks']} brk)" if r["compiled"] else "no (eager)"
         print(
             f"{r['contender']:10s} {r['user_code']:15s} {compiled:17s} {r['ms_per_step']:8.1f}"
-            f" {r['tokens_per_s']:9.0f} {_fmt(r.get('throughput_vs_mp'), '5.2f')} {r['first_step_s']:7.1f}s"
+            f" {r['tokens_per_s']:9.0f} {fmt(r.get('throughput_vs_mp'), '5.2f')} {r['first_step_s']:7.1f}s"
             f" {max(r['peak_rss_mib']):5.0f} MiB {r['final_loss']:7.4f} {_pct(_max(r['others_busy'])):>6s}"
-            f"  {'/'.join(f'{x:.0f}' for x in r['round_ms'])}"
+            f"  {spread}"
         )
     by_name = {r["contender"]: r for r in rows}
     ratio = by_name["sgdtp"].get("throughput_vs_mp") if "sgdtp" in by_name else None
     loss_ok = all(r["max_loss_diff_vs_first"] <= 1e-3 for r in rows) if rows else None
     loads = [x["others_busy"] for rs in runs.values() for x in rs if x["others_busy"] is not None]
     busy = max(loads, default=0.0)
+    n_busy = sum(b > QUIET for b in loads)
     print(
         "\n"
         + "\n".join(f"{name}: {CONTENDERS[name][0]}" for name in runs)
@@ -425,8 +418,13 @@ def main_driver(args: argparse.Namespace) -> int:
         " breaks (brk) on rank 0; 1st step: the first batch (compilation included); peak RSS: max over ranks of"
         " ru_maxrss; loss: the global batch's loss at the last step."
         f"\nSame loss curve in every contender (max |diff| <= 1e-3 against the first): {loss_ok}. others: the share"
-        f" of the CPUs other processes used during a run's timed steps (max over rounds); max {_pct(busy)}"
-        f"{' -- BUSY MACHINE: times are inflated and noisy' if busy > QUIET else ''}."
+        f" of the CPUs other processes used during a run's timed steps (max over rounds; * in rounds: above"
+        f" {_pct(QUIET)}). {n_busy} of {len(loads)} runs on a busy machine"
+        + (
+            f" (up to {_pct(busy)}): their times are inflated; the median over rounds discounts a minority of them."
+            if n_busy
+            else "."
+        )
         + "".join(f"\nNote: {n}" for n in notes)
         + f" Total {time.perf_counter() - started:.0f}s."
     )
@@ -448,13 +446,13 @@ def main_driver(args: argparse.Namespace) -> int:
             "timed_steps": args.steps,
             "rounds": args.rounds,
             "seed": SEED,
-            "torch": _version("torch"),
-            "lightning": _version("lightning"),
-            "lightning_sgdtp": _version("lightning-sgdtp"),
-            "plugin_commit": _git_commit(),
+            "torch": version("torch"),
+            "lightning": version("lightning"),
+            "lightning_sgdtp": version("lightning-sgdtp"),
+            "plugin_commit": git_commit(),
         },
         "other_cpu_busy_max": round(busy, 3),
-        "busy_machine": busy > QUIET,
+        "busy_runs": n_busy,
         "results": rows,
         "baseline": base_name,
         "ratio_sgdtp_over_mp": ratio,
@@ -470,10 +468,6 @@ def main_driver(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _median_ms(values: list[float]) -> float:
-    return 1e3 * statistics.median(values)
-
-
 def _max(xs: list[float | None]) -> float | None:
     known = [x for x in xs if x is not None]
     return max(known) if known else None
@@ -481,47 +475,6 @@ def _max(xs: list[float | None]) -> float | None:
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _version(dist_name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist_name)
-    except PackageNotFoundError:
-        return None
-
-
-def _git_commit() -> str | None:
-    """The commit of this checkout (``+dirty`` when lightning_sgdtp/ has uncommitted changes)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, check=False)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "lightning_sgdtp"], cwd=REPO, capture_output=True, check=False
-        )
-    except OSError:
-        return None
-    return (head.stdout.decode().strip() + ("+dirty" if dirty.stdout.strip() else "")) or None
-
-
-def _cpu_busy(seconds: float = 1.0) -> float:
-    """Fraction of all CPUs busy over the next ``seconds`` (Linux /proc/stat; 0.0 elsewhere)."""
-
-    def sample() -> tuple[int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(fields[:8]), fields[3] + fields[4]  # total, idle + iowait
-
-    try:
-        t0, i0 = sample()
-        time.sleep(seconds)
-        t1, i1 = sample()
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return max(0.0, 1.0 - (i1 - i0) / max(1, t1 - t0))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
