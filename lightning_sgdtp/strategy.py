@@ -21,6 +21,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -1050,10 +1051,12 @@ def _size(nbytes: int) -> str:
 
 
 def _short_reason(reason: str) -> str:
-    """Dynamo's graph-break reasons are paragraphs; keep the headline and the explanation."""
+    """Dynamo's graph-break reasons are paragraphs; keep the headline and the explanation, without memory
+    addresses (``<function f at 0x7f...>``), so that plans of two runs compare equal."""
     lines = [line.strip() for line in reason.splitlines() if line.strip()]
     explanation = next((line for line in lines if line.startswith("Explanation:")), "")
-    return " ".join(x for x in (lines[0] if lines else reason, explanation) if x)
+    short = " ".join(x for x in (lines[0] if lines else reason, explanation) if x)
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", short)
 
 
 def _check_not_compiled(module: torch.nn.Module) -> None:
