@@ -109,6 +109,11 @@ def test_resume_on_another_mesh(case: str, tmp_path_factory: pytest.TempPathFact
     assert [p["parallelism"] for p in plans] == case.removeprefix("resume_").replace("dp", "data").replace(
         "tp", "tensor"
     ).split("_to_")
+    if case == "resume_tp_to_tp":  # the user's tp_plan, applied by the strategy: only the MLPs are split
+        plan = plans[1]["tensor_parallel_plan"]
+        assert plan["source"] == "tp_plan"
+        assert sorted(plan["styles"]) == [f"model.blocks.{i}.mlp.{n}" for i in range(2) for n in ("fc", "proj")]
+        assert plan["replicated"]["model.blocks.0.attn.qkv"] == "not in tp_plan"
 
 
 def test_sharded_checkpoint_folder_and_consolidation(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -47,7 +47,19 @@ CASES: dict[str, tuple[Any, int, list[dict[str, Any]], dict[str, Any]]] = {
         [{"parallelism": "hybrid", "tensor_parallel_size": 2}],
         {"gradient_clip_val": 0.3},
     ),
-    "resume_tp_to_tp": (small_gpt, 2, [{"parallelism": "tensor"}, {"parallelism": "tensor"}], {}),
+    # the second phase splits differently (a tp_plan: only the MLPs): the checkpoint is resharded between plans
+    "resume_tp_to_tp": (
+        small_gpt,
+        2,
+        [
+            {"parallelism": "tensor"},
+            {
+                "parallelism": "tensor",
+                "tp_plan": {"model.blocks.*.mlp.fc": "colwise", "model.blocks.*.mlp.proj": "rowwise"},
+            },
+        ],
+        {},
+    ),
     "resume_tp_to_dp": (small_gpt, 2, [{"parallelism": "tensor"}, {"parallelism": "data"}], {}),
     "resume_dp_to_tp": (small_gpt, 2, [{"parallelism": "data"}, {"parallelism": "tensor"}], {}),
 }
