@@ -61,6 +61,10 @@ class SGDTPConfig:
             on CPU, one node).
         tp_plan: ``{glob over module names: style}`` replacing the automatic tensor-parallel plan; styles
             ``"colwise"``, ``"rowwise"``, ``"colwise_gather"``, ``"replicate"``.
+        sequence_parallel: split the residual stream of the block stack by sequence too (norms, dropout and
+            residual adds on 1/tp of the activations; all-gather before and reduce-scatter after the split layers
+            instead of one all-reduce). ``None`` (default): on with CUDA devices, off on CPU (gloo runs a
+            reduce-scatter as a full all-reduce). Applied only where it is correct; see the plan's log line.
         pipeline_chunks, pipeline_stages: reserved; raise until they land.
     """
 
@@ -80,6 +84,7 @@ class SGDTPConfig:
     pipeline_stages: int | None = None
     tensor_parallel_size: Any | None = None
     tp_plan: dict[str, str] | None = None
+    sequence_parallel: bool | None = None
 
     def __post_init__(self) -> None:
         if self.parallelism not in PARALLELISMS:
@@ -144,8 +149,15 @@ class SGDTPConfig:
                 " step with 'expected all tensors_saved_with_vc_check to be Tensors'). Use activation_checkpointing"
                 " with parallelism='data', or a larger tensor_parallel_size to fit the activations."
             )
+        sp = self.sequence_parallel
+        if sp is not None and not isinstance(sp, bool):
+            raise SGDTPConfigError(f"sequence_parallel={sp!r} must be True, False or None (automatic).")
+        if sp and plan is not None:
+            raise SGDTPConfigError(
+                "sequence_parallel=True applies to the automatic plan; with tp_plan, drop sequence_parallel (or tp_plan)."
+            )
         if self.parallelism == "data":
-            for name, value in (("tensor_parallel_size", size), ("tp_plan", plan)):
+            for name, value in (("tensor_parallel_size", size), ("tp_plan", plan), ("sequence_parallel", sp or None)):
                 if value is not None:
                     raise SGDTPConfigError(
                         f"{name}={value!r} needs tensor parallelism: set parallelism='tensor' or 'hybrid' (or remove"

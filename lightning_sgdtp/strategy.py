@@ -99,6 +99,7 @@ PLAN_FIELDS = (
     "activation_checkpointing",
     "tensor_parallel_size",
     "tp_plan",
+    "sequence_parallel",
 )
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
@@ -186,6 +187,7 @@ class SGDTPStrategy(ParallelStrategy):
         pipeline_stages: int | None = None,
         tensor_parallel_size: Any | None = None,
         tp_plan: dict[str, str] | None = None,
+        sequence_parallel: bool | None = None,
         options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -211,6 +213,7 @@ class SGDTPStrategy(ParallelStrategy):
             "pipeline_stages": pipeline_stages,
             "tensor_parallel_size": tensor_parallel_size,
             "tp_plan": tp_plan,
+            "sequence_parallel": sequence_parallel,
         }
         # Validate first: a bad option fails here, in the launching process, before anything is spawned.
         self._config = SGDTPConfig.from_options(options, **{k: v for k, v in given.items() if v is not None})
@@ -513,11 +516,20 @@ class SGDTPStrategy(ParallelStrategy):
         assert module is not None and self._dims is not None and self._mesh is not None
         if _is_split(module):  # fit, then validate/test on the same module: split once
             return
-        tp = self._dims.tp
+        tp, config = self._dims.tp, self._config
+        # Sequence parallel by default where its collectives are cheap: NCCL's reduce-scatter; gloo's is an all-reduce.
+        sequence = config.sequence_parallel if config.sequence_parallel is not None else self.root_device.type == "cuda"
         try:
-            plan = resolve_plan(module, self._config.tp_plan, tp) if self._config.tp_plan else auto_plan(module, tp)
+            plan = resolve_plan(module, config.tp_plan, tp) if config.tp_plan else auto_plan(module, tp, sequence)
         except TensorPlanError as exc:
             raise SGDTPConfigError(str(exc)) from exc
+        if config.sequence_parallel and not plan.sequence_blocks:
+            raise SGDTPConfigError(
+                f"sequence_parallel=True, but for {type(module).__name__} sequence parallel is"
+                f" {plan.sequence_reason}. Remove sequence_parallel=True (tensor parallel alone is still applied)."
+            )
+        if config.sequence_parallel is None and not config.tp_plan:
+            plan.sequence_reason += " (sequence_parallel=None: on for CUDA, off on CPU)"
         apply_tensor_parallel(module, plan, self._mesh["tp"])
         self._tp_plan = plan
         for line in plan.describe():

@@ -33,9 +33,9 @@ CASES = {
     "tensor_mha": ("fp32", "tensor, 2 ranks, nn.TransformerEncoderLayer (MultiheadAttention replicated)"),
     "tensor_llama_bf16": (
         "bf16",
-        "tensor, 2 ranks, Llama-shaped model (q/k/v/o, SwiGLU, a plain buffer times q/k), precision='bf16-mixed'",
+        "tensor, 2 ranks, Llama-shaped model (q/k/v/o, SwiGLU, a plain buffer x q/k), sequence parallel, bf16-mixed",
     ),
-    "hybrid_gpt": ("fp32", "hybrid dp=2 x tp=2, 4 ranks, small GPT"),
+    "hybrid_gpt": ("fp32", "hybrid dp=2 x tp=2, 4 ranks, small GPT, sequence parallel"),
     "hybrid_mha_clip": ("fp32", "hybrid dp=2 x tp=2, 4 ranks, MultiheadAttention model, clipping"),
 }
 _RESULTS: dict[str, dict] = {}
@@ -69,6 +69,12 @@ def test_parity_with_one_process(case: str, tmp_path_factory: pytest.TempPathFac
     plan = r["info"]["plans"][0]
     styles = plan["tensor_parallel_plan"]["styles"]
     assert "colwise" in styles.values() and "rowwise" in styles.values()
+    sequence = plan["tensor_parallel_plan"]["sequence_parallel"]
+    if case in ("hybrid_gpt", "tensor_llama_bf16"):  # the residual stream split by sequence, norms on shards
+        assert sequence["reason"].startswith("on:") and len(sequence["blocks"]) == 2
+        assert list(styles.values()).count("sequence") == 4
+    else:
+        assert not sequence["blocks"]
     if case.startswith("hybrid"):
         assert (plan["dp_size"], plan["tp_size"]) == (2, 2) and plan["mesh_layout"] == [[0, 1], [2, 3]]
         # the data-parallel gradient all-reduce is inside the compiled backward, over the dp group only

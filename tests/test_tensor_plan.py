@@ -184,3 +184,29 @@ def test_compile_backend_with_tensor_and_hybrid_strategies() -> None:
     with pytest.raises(Exception, match="cannot know your data-parallel group"):
         hybrid(x)
     torch._dynamo.reset()
+
+
+def test_sequence_parallel_where_it_is_correct() -> None:
+    plan = auto_plan(gpt(), 2, sequence_parallel=True)
+    assert plan.sequence_blocks == ["blocks.0", "blocks.1"]
+    assert {plan.styles[f"blocks.{i}.{n}"] for i in range(2) for n in ("ln_1", "ln_2")} == {"sequence"}
+    assert "ln_f" not in plan.styles  # outside the stack: the stream is gathered when it leaves the last block
+    assert plan.describe()[-1].startswith("  sequence parallel: on: the residual stream of blocks.0 .. blocks.1")
+    llama = auto_plan(Llama(), 2, sequence_parallel=True)
+    assert llama.sequence_blocks == ["layers.0", "layers.1"]
+    assert [n for n, s in llama.styles.items() if s == "sequence"] == [f"layers.{i}.input_layernorm" for i in range(2)]
+    assert not auto_plan(gpt(), 2).sequence_blocks  # off unless asked (the strategy asks on CUDA)
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        (lambda: MHALanguageModel(), "layers.0.self_attn is an nn.MultiheadAttention"),
+        (lambda: gpt(n_head=3), "blocks.0.attn.qkv is not split"),
+        (lambda: nn.Sequential(nn.Linear(4, 4)), "no stack of repeated blocks"),
+    ],
+)
+def test_sequence_parallel_is_not_applied_where_it_would_be_wrong(model: object, reason: str) -> None:
+    plan = auto_plan(model(), 2, sequence_parallel=True)
+    assert not plan.sequence_blocks and reason in plan.sequence_reason
+    assert "sequence" not in plan.styles.values()

@@ -22,9 +22,11 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
-STYLES = ("colwise", "rowwise", "colwise_gather", "replicate")
+STYLES = ("colwise", "rowwise", "colwise_gather", "replicate", "sequence")
+NORMS = (nn.LayerNorm, nn.RMSNorm)
 
 # Leaf names of linear layers that read the block's input (column-parallel) and write its output (row-parallel).
 IN_NAMES = {
@@ -53,9 +55,19 @@ class TensorPlan:
     styles: dict[str, str] = field(default_factory=dict)
     replicated: dict[str, str] = field(default_factory=dict)
     source: str = "automatic"
+    #: Sequence parallel: the blocks whose residual stream is split by sequence (their norms have style
+    #: ``"sequence"``), or empty; ``sequence_reason`` says why it is (not) applied.
+    sequence_blocks: list[str] = field(default_factory=list)
+    sequence_reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tp": self.tp, "source": self.source, "styles": dict(self.styles), "replicated": dict(self.replicated)}
+        return {
+            "tp": self.tp,
+            "source": self.source,
+            "styles": dict(self.styles),
+            "replicated": dict(self.replicated),
+            "sequence_parallel": {"blocks": list(self.sequence_blocks), "reason": self.sequence_reason},
+        }
 
     def describe(self) -> list[str]:
         """One line per decision, for rank 0's log."""
@@ -70,6 +82,8 @@ class TensorPlan:
         for why, names in reasons.items():
             shown = ", ".join(names[:6]) + (f" (+{len(names) - 6} more)" if len(names) > 6 else "")
             lines.append(f"  replicated: {shown}: {why}")
+        if self.sequence_reason:
+            lines.append(f"  sequence parallel: {self.sequence_reason}")
         return lines
 
 
@@ -89,11 +103,12 @@ def _inside(name: str, prefixes: list[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def auto_plan(module: nn.Module, tp: int) -> TensorPlan:
+def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> TensorPlan:
     """Find the standard transformer patterns in ``module`` and plan them for a tensor-parallel group of ``tp``.
 
     Pure: reads names, types and shapes, changes nothing. What it does not understand stays replicated, with
-    the reason in ``plan.replicated``.
+    the reason in ``plan.replicated``. ``sequence_parallel``: also split the residual stream of the block stack by
+    sequence where that is correct (see :func:`plan_sequence_parallel`).
     """
     plan = TensorPlan(tp=tp)
     named = dict(module.named_modules())
@@ -169,7 +184,52 @@ def auto_plan(module: nn.Module, tp: int) -> TensorPlan:
             continue
         if isinstance(m, nn.Linear) and n:
             plan.replicated[n] = "no column -> row pair found around it"
+    if sequence_parallel:
+        plan_sequence_parallel(module, plan)
+    else:
+        plan.sequence_reason = "off (sequence_parallel=False)"
     return plan
+
+
+def plan_sequence_parallel(module: nn.Module, plan: TensorPlan) -> None:
+    """Split the block stack's residual stream by sequence (dim 1) where it is correct; record why (not).
+
+    Correct when every block is fully covered by the plan: each of its linear layers is split (so every
+    activation that enters a layer comes from a norm or a row-parallel output, never a replicated layer) and it
+    has no ``nn.MultiheadAttention``. Then its norms run on sequence shards (``"sequence"``), column-parallel
+    layers all-gather their input, row-parallel layers reduce-scatter their output, and the stream is split when
+    it enters the first block and gathered when it leaves the last: code outside the stack sees what it saw.
+    """
+    from lightning_sgdtp.parallel.checkpointing import find_block_stack
+
+    found = find_block_stack(module)
+    if found is None:
+        plan.sequence_reason = "not applied: no stack of repeated blocks (nn.ModuleList / nn.Sequential)"
+        return
+    stack_name, stack = found
+    prefix = f"{stack_name}." if stack_name else ""
+    blocks = [f"{prefix}{n}" for n, _ in stack.named_children()]
+    norms: list[str] = []
+    for block_name, block in zip(blocks, stack.children()):
+        for n, m in block.named_modules():
+            full = f"{block_name}.{n}" if n else block_name
+            if isinstance(m, nn.MultiheadAttention):
+                plan.sequence_reason = f"not applied: {full} is an nn.MultiheadAttention (replicated)"
+                return
+            if isinstance(m, nn.Linear) and plan.styles.get(full) not in ("colwise", "rowwise"):
+                plan.sequence_reason = f"not applied: {full} is not split, so it would read a sequence shard"
+                return
+            if isinstance(m, NORMS):
+                norms.append(full)
+    if not norms:
+        plan.sequence_reason = f"not applied: the blocks of {stack_name or 'the model'} have no LayerNorm/RMSNorm"
+        return
+    for n in norms:
+        plan.styles[n] = "sequence"
+    plan.sequence_blocks = blocks
+    plan.sequence_reason = (
+        f"on: the residual stream of {blocks[0]} .. {blocks[-1]} is split by sequence ({len(norms)} norms)"
+    )
 
 
 def resolve_plan(module: nn.Module, patterns: dict[str, str], tp: int) -> TensorPlan:
@@ -233,29 +293,73 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorPlan, tp_mesh: Any) -> 
     Parameters tied before (an embedding and its LM head) are tied again after: both were split the same way
     (by vocabulary: ``Shard(0)``), so they stay one parameter with one gradient.
     """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     from lightning_sgdtp.parallel import dtensor_ops
 
     dtensor_ops.register()
     named = dict(module.named_modules())
     ties = _tied_parameters(module)
+    in_sequence = tuple(f"{b}." for b in plan.sequence_blocks)
     styles: dict[str, Any] = {}
     for name, style in plan.styles.items():
+        sequence = name.startswith(in_sequence) if in_sequence else False
         if style == "colwise":
-            styles[name] = ColwiseParallel(use_local_output=False)
+            # In a sequence-parallel block a plain input is a sequence shard; a DTensor input is gathered.
+            styles[name] = ColwiseParallel(input_layouts=Shard(1) if sequence else Replicate(), use_local_output=False)
         elif style == "colwise_gather":
             styles[name] = ColwiseParallel(output_layouts=Replicate())
         elif style == "rowwise":
             # Input declared Replicate: a plain (replicated) input is sliced; a DTensor from a colwise partner is
-            # already Shard(-1) and passes as is. Correct for any input.
-            styles[name] = RowwiseParallel(input_layouts=Replicate())
+            # already Shard(-1) and passes as is. Correct for any input. In a sequence-parallel block the partial
+            # sums are reduce-scattered by sequence and stay a DTensor for the residual add.
+            if sequence:
+                styles[name] = RowwiseParallel(
+                    input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+                )
+            else:
+                styles[name] = RowwiseParallel(input_layouts=Replicate())
+        elif style == "sequence":
+            styles[name] = SequenceParallel()
     if styles:
         parallelize_module(module, tp_mesh, styles)
+    if plan.sequence_blocks:
+        named[plan.sequence_blocks[0]].register_forward_pre_hook(_enter_sequence_shards(tp_mesh))
+        named[plan.sequence_blocks[-1]].register_forward_hook(_leave_sequence_shards)
     for owner_name, attr, source_name, source_attr in ties:
         owner, source = named[owner_name], named[source_name]
         setattr(owner, attr, getattr(source, source_attr))
+
+
+def _enter_sequence_shards(tp_mesh: Any) -> Any:
+    """The first block's first input (the replicated residual stream) becomes a DTensor split by sequence."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def hook(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if not args or not isinstance(args[0], torch.Tensor) or isinstance(args[0], DTensor):
+            return None
+        x = DTensor.from_local(args[0], tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(1)])
+        return (x, *args[1:])
+
+    return hook
+
+
+def _leave_sequence_shards(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    """The last block's output is gathered back into a plain, replicated tensor."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def gather(x: Any) -> Any:
+        return x.redistribute(x.device_mesh, [Replicate()]).to_local() if isinstance(x, DTensor) else x
+
+    if isinstance(output, tuple):
+        return (gather(output[0]), *output[1:])
+    return gather(output)
 
 
 def _tied_parameters(module: nn.Module) -> list[tuple[str, str, str, str]]:

@@ -31,12 +31,17 @@ STEPS, BATCH = 6, 4
 CASES: dict[str, tuple[Any, int, list[dict[str, Any]], dict[str, Any]]] = {
     "tensor_gpt_clip": (small_gpt, 2, [{"parallelism": "tensor"}], {"gradient_clip_val": 0.3}),
     "tensor_mha": (MHALanguageModel, 2, [{"parallelism": "tensor"}], {}),
-    "tensor_llama_bf16": (LlamaLike, 2, [{"parallelism": "tensor"}], {"precision": "bf16-mixed"}),
-    # validation through the split model, twice during training
+    "tensor_llama_bf16": (
+        LlamaLike,
+        2,
+        [{"parallelism": "tensor", "sequence_parallel": True}],
+        {"precision": "bf16-mixed"},
+    ),
+    # validation through the split model, twice during training; sequence parallel
     "hybrid_gpt": (
         small_gpt,
         4,
-        [{"parallelism": "hybrid", "tensor_parallel_size": 2}],
+        [{"parallelism": "hybrid", "tensor_parallel_size": 2, "sequence_parallel": True}],
         {"limit_val_batches": 2, "val_check_interval": 3},
     ),
     # negative control: the data-parallel all-reduce switched off (must NOT match)
