@@ -529,7 +529,8 @@ class SGDTPStrategy(ParallelStrategy):
                 f" {plan.sequence_reason}. Remove sequence_parallel=True (tensor parallel alone is still applied)."
             )
         if config.sequence_parallel is None and not config.tp_plan:
-            plan.sequence_reason += " (sequence_parallel=None: on for CUDA, off on CPU)"
+            why = plan.sequence_reason or "off"
+            plan.sequence_reason = f"{why} (sequence_parallel=None: on with CUDA devices, off on CPU)"
         apply_tensor_parallel(module, plan, self._mesh["tp"])
         self._tp_plan = plan
         for line in plan.describe():

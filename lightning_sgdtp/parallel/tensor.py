@@ -186,8 +186,6 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
             plan.replicated[n] = "no column -> row pair found around it"
     if sequence_parallel:
         plan_sequence_parallel(module, plan)
-    else:
-        plan.sequence_reason = "off (sequence_parallel=False)"
     return plan
 
 
