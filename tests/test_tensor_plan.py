@@ -84,6 +84,15 @@ def test_heads_that_do_not_divide_stay_replicated_and_say_why() -> None:
     assert plan.styles["blocks.0.mlp.fc"] == "colwise"  # the MLP still splits
 
 
+def test_grouped_query_attention_needs_divisible_key_value_heads() -> None:
+    model = Llama(dim=32, heads=4)
+    for layer in model.layers:
+        layer.self_attn.num_key_value_heads = 1  # (the shapes do not matter to the plan: the head counts do)
+    plan = auto_plan(model, 2)
+    assert plan.replicated["layers.0.self_attn.k_proj"] == "1 key/value heads are not divisible by tp=2"
+    assert plan.styles["layers.0.mlp.gate_proj"] == "colwise"
+
+
 def test_multihead_attention_is_replicated_with_a_reason() -> None:
     plan = auto_plan(MHALanguageModel(), 2)
     assert "nn.MultiheadAttention" in plan.replicated["layers.0.self_attn"]

@@ -41,6 +41,7 @@ OUT_NAMES = {
 TOKEN_EMBEDDING_NAMES = ("tok", "wte", "word", "embed_tokens", "token")
 HEAD_NAMES = {"lm_head", "head", "output", "out", "logits", "classifier"}
 HEAD_COUNT_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nhead", "heads")
+KV_HEAD_COUNT_ATTRS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head")
 
 
 class TensorPlanError(ValueError):
@@ -91,10 +92,10 @@ def _leaf(name: str) -> str:
     return name.rsplit(".", 1)[-1].lower()
 
 
-def _heads(module: nn.Module) -> int | None:
-    for attr in HEAD_COUNT_ATTRS:
+def _heads(module: nn.Module, attrs: tuple[str, ...] = HEAD_COUNT_ATTRS) -> int | None:
+    for attr in attrs:
         value = getattr(module, attr, None)
-        if isinstance(value, int) and value > 0:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
 
@@ -138,6 +139,8 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
             why = f"feature sizes {[linears[n].out_features for n in ins]} / {out.in_features} not divisible by tp={tp}"
         elif (heads := _heads(parent)) is not None and heads % tp:
             why = f"{heads} heads are not divisible by tp={tp}"
+        elif (kv_heads := _heads(parent, KV_HEAD_COUNT_ATTRS)) is not None and kv_heads % tp:
+            why = f"{kv_heads} key/value heads are not divisible by tp={tp}"
         members = [prefix + n for n in ins + outs]
         paired.update(members)
         if why:
