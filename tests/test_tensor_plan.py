@@ -178,6 +178,24 @@ def test_layout_rows_are_tensor_parallel_groups_inside_nodes() -> None:
     assert dims.coordinates(layout, 5) == (2, 1)
 
 
+def test_backend_object_survives_lightnings_compile_wrapper() -> None:
+    """With Lightning imported, torch.compile(module, backend=obj) deep-copies its kwargs; a backend holding a
+    process group could not be copied. The compiler is shared, not copied."""
+    import copy
+
+    import lightning.pytorch  # noqa: F401  (installs Lightning's torch.compile wrapper)
+    import torch
+
+    from lightning_sgdtp import SGDTPCompiler
+
+    compiler = SGDTPCompiler()
+    assert copy.deepcopy({"backend": compiler})["backend"] is compiler
+    model = nn.Linear(4, 2)
+    torch.compile(model, backend=compiler)(torch.randn(3, 4)).sum().backward()
+    assert compiler.plans, "the graphs were compiled by a copy, not by this backend object"
+    torch._dynamo.reset()
+
+
 def test_compile_backend_with_tensor_and_hybrid_strategies() -> None:
     """The design documents' torch.compile form: "tensor" compiles without gradient sync (nothing to average);
     "hybrid" cannot know the data-parallel group and says what to do instead."""

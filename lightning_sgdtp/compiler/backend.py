@@ -92,6 +92,11 @@ class SGDTPCompiler:
         #: salt keeps other compilers' entries out). The compile cache switches it on and restores the plans.
         self.aot_cache = False
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> SGDTPCompiler:
+        # One backend object per compiled model, holding its process group (which cannot be copied) and what it
+        # decided. Lightning wraps `torch.compile(module, **kwargs)` and deep-copies the kwargs: hand back itself.
+        return self
+
     def _group(self) -> tuple[str | None, int]:
         if not (dist.is_available() and dist.is_initialized()):
             return None, 1
