@@ -64,18 +64,40 @@ def save(
         sign_with(tmp, signing_key)
     barrier()  # every rank's shards are on disk
     if rank == 0:
-        old = path.with_name(f".{path.name}.old-{token}")
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-        if old.is_dir():
-            shutil.rmtree(old)
-        elif old.exists():
-            old.unlink()
+        publish(tmp, path)
         for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by saves killed mid-write
             shutil.rmtree(stale, ignore_errors=True)
     barrier()
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Put the finished folder ``tmp`` at ``path``. With a previous one there, both names are swapped in one
+    atomic ``renameat2(RENAME_EXCHANGE)`` (Linux), so ``path`` is never missing; elsewhere, two renames."""
+    if path.exists() and _exchange(tmp, path):
+        old = tmp  # now holds the previous checkpoint
+    else:
+        old = path.with_name(f"{tmp.name}.old")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+    fsync_dir(path.parent)
+    if old.is_dir():
+        shutil.rmtree(old)
+    elif old.exists():
+        old.unlink()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2`` with ``RENAME_EXCHANGE``). False where unavailable."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def load(
