@@ -30,6 +30,7 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
+from lightning_sgdtp._fs import fsync_path
 from lightning_sgdtp.trust import ArtifactVerificationError, verify_dir
 from lightning_sgdtp.trust.signatures import sign_with
 
@@ -170,8 +171,4 @@ class CompileCache:
 
 def _fsync_tree(root: Path) -> None:
     for path in [*root.rglob("*"), root]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)

@@ -30,14 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_sgdtp.parallel.tensor import local_shard
+
 COMPILED_NODE = "CompiledFunctionBackward"
-
-
-def _local(t: Tensor) -> Tensor:
-    """A DTensor's local shard (what this rank holds and communicates); a plain tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Sync(str, enum.Enum):
@@ -179,7 +174,7 @@ class GradLedger:
             name, p = self.params[self.index[pid]]
             self.step_counts[(name, Sync.GRAPH)] += 1
             if self.world_size > 1:  # a data-parallel group of one sends nothing
-                numel = _local(p).numel()
+                numel = local_shard(p).numel()
                 self._graph_bytes += numel * (self.wire_dtype.itemsize if self.wire_dtype else p.element_size())
         chosen = [self.params[self.index[pid]] for pid in sorted(agreed.eager, key=self.index.__getitem__)]
         for name, _ in chosen:
@@ -193,7 +188,7 @@ class GradLedger:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         # A split parameter (DTensor) is averaged shard by shard: its local part, over the data-parallel group.
-        grads = {id(p): _local(p.grad) for p in params}
+        grads = {id(p): local_shard(p.grad) for p in params}
         buckets: list[list[torch.nn.Parameter]] = []
         size = 0
         for p in params:

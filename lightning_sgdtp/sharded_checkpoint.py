@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_sgdtp._fs import fsync_path
+
 META = "meta.pt"
 MODEL_KEY = "state_dict"
 
@@ -80,7 +82,7 @@ def publish(tmp: Path, path: Path) -> None:
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
     if old.is_dir():
         shutil.rmtree(old)
     elif old.exists():
@@ -179,12 +181,3 @@ def consolidate(path: str | os.PathLike, output: str | os.PathLike) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return output
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename in ``folder`` durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

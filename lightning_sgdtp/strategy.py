@@ -60,6 +60,7 @@ from typing_extensions import override
 
 from lightning_sgdtp import rendezvous, topology
 from lightning_sgdtp import sharded_checkpoint as sharded
+from lightning_sgdtp._fs import fsync_path, write_atomically
 from lightning_sgdtp.compile_cache import CompileCache
 from lightning_sgdtp.compiler.backend import PLAN_VERSION, SGDTPCompiler
 from lightning_sgdtp.compiler.buckets import Bucket, GraphPlan
@@ -122,19 +123,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if "://" in str(path):  # remote filesystems: fsspec's own semantics
             return super().save_checkpoint(checkpoint, path, storage_options)
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomically(target, lambda f: torch.save(checkpoint, f))
         # What saves killed mid-write left behind (never a file Lightning would load: the name does not match).
         for stale in target.parent.glob(f".{target.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-        sharded.fsync_dir(target.parent)
+        fsync_path(target.parent)
         self._record(target)
         return None
 
@@ -861,7 +854,6 @@ class SGDTPStrategy(ParallelStrategy):
         for graph in plan["graphs"]:
             if graph["graph_id"] not in self._announced:
                 self._announce(_plan_from_dict(graph), origin="taken from the compile cache")
-        text = json.dumps(plan, indent=2, sort_keys=True, default=str)
         key = json.dumps({k: plan[k] for k in ("graphs", "fallback_params", "grad_sync")}, sort_keys=True, default=str)
         if self.global_rank != 0 or key == self._written_plan:
             return
@@ -872,7 +864,7 @@ class SGDTPStrategy(ParallelStrategy):
         folder = self._plan_dir or Path.cwd()
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{PLAN_FILENAME}.tmp"
-        tmp.write_text(text)
+        tmp.write_text(json.dumps(plan, indent=2, sort_keys=True, default=str))
         os.replace(tmp, folder / PLAN_FILENAME)
 
     # -------------------------------------------------------------------------------------- collectives

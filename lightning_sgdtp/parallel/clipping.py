@@ -15,11 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-
-def _local(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+from lightning_sgdtp.parallel.tensor import local_shard
 
 
 def global_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
@@ -34,7 +30,7 @@ def global_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Te
         g = p.grad
         if g is None:
             continue
-        local = _local(g).detach().float()
+        local = local_shard(g).detach().float()
         part = local.abs().max() if is_inf else local.abs().pow(norm_type).sum()
         if local.numel() == 0:
             part = torch.zeros((), dtype=torch.float32)
@@ -60,6 +56,6 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
     total = global_grad_norm(params, norm_type)
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     for p in params:
-        local = _local(p.grad)
+        local = local_shard(p.grad)
         local.mul_(coef.to(local.device, local.dtype))
     return total

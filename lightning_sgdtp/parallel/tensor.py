@@ -88,6 +88,13 @@ class TensorPlan:
         return lines
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local shard, a plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _leaf(name: str) -> str:
     return name.rsplit(".", 1)[-1].lower()
 

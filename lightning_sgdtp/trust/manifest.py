@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from lightning_sgdtp._fs import write_atomically
 
 MANIFEST = "SGDTP-MANIFEST.json"
 FORMAT = "sgdtp-manifest/1"
@@ -65,12 +66,8 @@ def write_manifest(root: Path, manifest: dict[str, Any] | None = None) -> Path:
     if manifest is None:
         old = read_manifest(root) if (root / MANIFEST).exists() else {"files": []}
         manifest = build_manifest(root, {e["path"]: e for e in old["files"]})
-    target, tmp = root / MANIFEST, root / f".{MANIFEST}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    target = root / MANIFEST
+    write_atomically(target, lambda f: f.write(json.dumps(manifest, indent=1, sort_keys=True).encode()))
     for stale in root.glob(f"{MANIFEST}.*"):
         stale.unlink(missing_ok=True)  # a signature of the previous manifest would no longer verify
     return target
