@@ -33,6 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 START = time.time()
 
+from harness import QUIET_TRAINER
+
 
 def job(args: argparse.Namespace) -> None:
     """One training job (Lightning re-runs this command line for rank 1)."""
@@ -69,12 +71,7 @@ def job(args: argparse.Namespace) -> None:
         devices=2,
         strategy=SGDTPStrategy(compile_cache=args.cache),
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **QUIET_TRAINER,
         callbacks=[FirstStep()],
         default_root_dir=args.root,
     )

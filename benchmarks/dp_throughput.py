@@ -35,7 +35,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 
-from harness import cpu_busy, fmt, frames_compiled, free_port, git_commit, median_ms, version
+from harness import QUIET_TRAINER, cpu_busy, fmt, frames_compiled, free_port, git_commit, median_ms, version
 
 # variant -> (strategy kind, torch.compile the LightningModule's inner network (default Inductor), SGDTPStrategy kwargs).
 # sgdtp gets the plain module: the strategy compiles the training step itself (and refuses a compiled module).
@@ -209,12 +209,7 @@ def _worker(
             strategy=strategy,
             max_steps=total,
             callbacks=[timer],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
+            **QUIET_TRAINER,
             default_root_dir=str(out.parent / f"{out.stem}-{phase}"),
         )
         t0 = time.perf_counter()

@@ -12,6 +12,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+#: Trainer arguments every benchmark run shares: no logging, checkpoints, progress bar, summary or validation.
+QUIET_TRAINER = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+    "limit_val_batches": 0,
+}
 
 
 def free_port() -> int:

@@ -44,7 +44,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 
-from harness import cpu_busy, fmt, frames_compiled, free_port, git_commit, median_ms, version
+from harness import QUIET_TRAINER, cpu_busy, fmt, frames_compiled, free_port, git_commit, median_ms, version
 
 DEVICES = 4
 DP, TP = 2, 2
@@ -185,12 +185,7 @@ def _worker(args: argparse.Namespace) -> None:
         strategy=strategy,
         max_steps=total,
         callbacks=[meter],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **QUIET_TRAINER,
         default_root_dir=str(args.out.parent / f"{args.out.stem}-root"),
     )
     t0 = time.perf_counter()

@@ -305,7 +305,8 @@ def test_cli_text_custom_op_strict_and_errors(tmp_path: Path) -> None:
 
 
 def test_console_script_cache_only(tmp_path: Path) -> None:
-    exe = shutil.which("sgdtp") or pytest.skip("the sgdtp console script is not installed (pip install -e .)")
+    exe = shutil.which("sgdtp")
+    assert exe, "the sgdtp console script is not on PATH: install the package (pip install -e '.[test]')"
     out = subprocess.run(
         [exe, "diagnose", "--cache-dir", str(tmp_path), "--json"],
         check=False,

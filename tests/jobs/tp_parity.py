@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import parity
 from models import LlamaLike, MHALanguageModel, small_gpt, token_data
 
 from lightning_sgdtp import SGDTPStrategy
@@ -79,21 +80,8 @@ def dp_size(kwargs: dict[str, Any], devices: int) -> int:
 
 
 def trainer(strategy: Any, devices: int, root: Path, **kwargs: Any) -> L.Trainer:
-    defaults = {
-        "accelerator": "cpu",
-        "devices": devices,
-        "max_steps": STEPS,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "default_root_dir": str(root),
-        "num_sanity_val_steps": 0,
-        "limit_val_batches": 0,
-        "use_distributed_sampler": True,
-    }
-    defaults.update(kwargs)
-    return L.Trainer(strategy=strategy, **defaults)
+    """The parity jobs' quiet Trainer (``parity.trainer``: 6 steps, no logging, checkpoints or validation)."""
+    return parity.trainer(strategy, root, devices=devices, **kwargs)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
