@@ -65,7 +65,20 @@ class SGDTPConfig:
             residual adds on 1/tp of the activations; all-gather before and reduce-scatter after the split layers
             instead of one all-reduce). ``None`` (default): on with CUDA devices, off on CPU (gloo runs a
             reduce-scatter as a full all-reduce). Applied only where it is correct; see the plan's log line.
-        pipeline_chunks, pipeline_stages: reserved; raise until they land.
+        pipeline_stages: ranks per pipeline (pipeline-parallel size, >= 2); data parallel runs across the
+            pipelines (``devices / pipeline_stages`` replicas). ``None`` with ``pipeline_chunks`` set: one
+            pipeline per node when there are several nodes (each stage across nodes, data parallel inside
+            them), else all ranks. See ``docs/pipeline-parallel.md``.
+        pipeline_chunks: micro-batches per step (the batch each rank loads is cut into this many); the global
+            batch and the optimizer step are those of training without the pipeline. Default with
+            ``pipeline_stages``: ``2 x pipeline_stages``.
+        pipeline_schedule: ``"1f1b"`` (default: one forward, one backward; activations of at most ``stages``
+            micro-batches alive), ``"gpipe"`` (all forwards, then all backwards) or ``"interleaved_1f1b"``
+            (``pipeline_stages_per_rank`` stages per rank, a smaller bubble for more messages).
+        pipeline_split: the names of the blocks where stages 1, 2, ... start, instead of the automatic split.
+        pipeline_balance: ``"params"`` (default: balance the automatic split by parameter count) or
+            ``"measured"`` (time each block's forward on the first batch, balance by that).
+        pipeline_stages_per_rank: stages each rank holds with ``"interleaved_1f1b"`` (default 2).
     """
 
     parallelism: Literal["data", "tensor", "hybrid"] = "data"
@@ -82,6 +95,10 @@ class SGDTPConfig:
     compile_cache: str | None = None
     pipeline_chunks: int | None = None
     pipeline_stages: int | None = None
+    pipeline_schedule: str = "1f1b"
+    pipeline_split: list[str] | None = None
+    pipeline_balance: str = "params"
+    pipeline_stages_per_rank: int | None = None
     tensor_parallel_size: Any | None = None
     tp_plan: dict[str, str] | None = None
     sequence_parallel: bool | None = None
@@ -97,12 +114,7 @@ class SGDTPConfig:
                 f"parallelism={self.parallelism!r} is not available yet in this release of lightning-sgdtp"
                 " (only 'data' is). Use parallelism='data' for now."
             )
-        for name in ("pipeline_chunks", "pipeline_stages"):
-            if getattr(self, name) is not None:
-                raise NotAvailableYetError(
-                    f"{name}={getattr(self, name)!r} is not available yet in this release of lightning-sgdtp:"
-                    f" pipeline parallelism has not landed. Remove {name}."
-                )
+        self._check_pipeline()
         self._check_tensor_parallel()
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
             raise SGDTPConfigError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be a number of MiB, e.g. 25.")
@@ -139,6 +151,91 @@ class SGDTPConfig:
                 f"signing_key={key!r} is neither 'gpg:KEY' (a gpg key id, fingerprint or email) nor a PEM private key"
                 " file."
             )
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline_stages is not None or self.pipeline_chunks is not None
+
+    def _check_pipeline(self) -> None:
+        from lightning_sgdtp.parallel.pipeline import SCHEDULES
+
+        stages, chunks, per_rank = self.pipeline_stages, self.pipeline_chunks, self.pipeline_stages_per_rank
+        if not self.pipelined:
+            for name, default in (
+                ("pipeline_schedule", "1f1b"),
+                ("pipeline_split", None),
+                ("pipeline_balance", "params"),
+                ("pipeline_stages_per_rank", None),
+            ):
+                if getattr(self, name) != default:
+                    raise SGDTPConfigError(
+                        f"{name}={getattr(self, name)!r} needs pipeline parallelism: set pipeline_stages (ranks per"
+                        f" pipeline) and/or pipeline_chunks (micro-batches per step), or remove {name}."
+                    )
+            return
+        if self.parallelism != "data":
+            raise NotAvailableYetError(
+                f"pipeline parallelism with parallelism={self.parallelism!r} (3-D: pipeline x tensor x data) is not"
+                " available yet; pipeline x data parallel is. Use parallelism='data' with pipeline_stages."
+            )
+        for name, value, least in (("pipeline_stages", stages, 2), ("pipeline_chunks", chunks, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise SGDTPConfigError(
+                    f"{name}={value!r} must be an int >= {least}"
+                    + (
+                        " (ranks per pipeline, e.g. 2)."
+                        if name == "pipeline_stages"
+                        else " (micro-batches per step, e.g. 4)."
+                    )
+                )
+        if self.pipeline_schedule not in SCHEDULES:
+            raise SGDTPConfigError(
+                f"pipeline_schedule={self.pipeline_schedule!r} is not known. Use one of {sorted(SCHEDULES)}."
+            )
+        if self.pipeline_balance not in ("params", "measured"):
+            raise SGDTPConfigError(
+                f"pipeline_balance={self.pipeline_balance!r}: use 'params' (parameter count) or 'measured' (time"
+                " each block's forward on the first batch)."
+            )
+        if self.pipeline_split is not None and self.pipeline_balance != "params":
+            raise SGDTPConfigError("pipeline_split names the stages itself: drop pipeline_balance (or pipeline_split).")
+        split = self.pipeline_split
+        if split is not None and (isinstance(split, str) or not all(isinstance(n, str) for n in split)):
+            raise SGDTPConfigError(
+                f"pipeline_split={split!r} must be a list of module names: the blocks where stages 1, 2, ... start,"
+                " e.g. ['model.blocks.2']."
+            )
+        if per_rank is not None:
+            if self.pipeline_schedule != "interleaved_1f1b":
+                raise SGDTPConfigError(
+                    f"pipeline_stages_per_rank={per_rank!r} applies to pipeline_schedule='interleaved_1f1b' only"
+                    " (GPipe and 1F1B run one stage per rank)."
+                )
+            if isinstance(per_rank, bool) or not isinstance(per_rank, int) or per_rank < 2:
+                raise SGDTPConfigError(f"pipeline_stages_per_rank={per_rank!r} must be an int >= 2.")
+        if stages is not None:
+            self._check_pipeline_sizes(stages)
+
+    def _check_pipeline_sizes(self, ranks: int) -> None:
+        """What depends on the number of ranks per pipeline (known here, or once the world size is)."""
+        from lightning_sgdtp.parallel.pipeline import check_chunks, stages_per_rank
+
+        stages = ranks * stages_per_rank(self.pipeline_schedule, self.pipeline_stages_per_rank)
+        if self.pipeline_split is not None and len(self.pipeline_split) != stages - 1:
+            raise SGDTPConfigError(
+                f"pipeline_split has {len(self.pipeline_split)} names for {stages} stages: give {stages - 1}, the"
+                " block where each stage after the first starts."
+            )
+        problem = check_chunks(self.pipeline_schedule, self.chunks_for(ranks), ranks, stages)
+        if problem:
+            raise SGDTPConfigError(problem)
+
+    def chunks_for(self, ranks: int) -> int:
+        """``pipeline_chunks``, or its default for ``ranks`` ranks per pipeline."""
+        per_rank = 1
+        if self.pipeline_schedule == "interleaved_1f1b":
+            per_rank = self.pipeline_stages_per_rank or 2
+        return self.pipeline_chunks if self.pipeline_chunks is not None else 2 * ranks * per_rank
 
     def _check_tensor_parallel(self) -> None:
         size, plan = self.tensor_parallel_size, self.tp_plan

@@ -90,3 +90,44 @@ class ParallelDims:
         from torch.distributed.device_mesh import DeviceMesh
 
         return DeviceMesh(device_type, torch.tensor(layout, dtype=torch.int), mesh_dim_names=MESH_DIMS)
+
+
+@dataclass(frozen=True)
+class PipelineDims:
+    """``pp x dp == world_size``: ``pp`` ranks per pipeline (one stage, or several interleaved, each); ``dp``
+    pipelines, each a data-parallel replica of the whole model.
+
+    Pipelines run across nodes and data parallel inside them where the nodes allow it: a stage sends one
+    activation per micro-batch to its neighbour, while data parallel all-reduces every gradient, so the fast
+    intra-node links go to data parallel. Rank ``r`` is stage ``r // dp`` of pipeline ``r % dp``.
+    """
+
+    pp: int
+    dp: int
+    world_size: int
+
+    @classmethod
+    def resolve(cls, requested: int | None, world_size: int, num_nodes: int) -> PipelineDims:
+        pp = requested if requested is not None else (num_nodes if num_nodes > 1 else world_size)
+        if pp < 2 or world_size % pp:
+            raise SGDTPConfigError(
+                f"pipeline_stages={pp} must divide the {world_size} ranks (devices x num_nodes) and be >= 2:"
+                f" {world_size} ranks make {world_size // max(pp, 1)} pipeline(s) of {pp} only when {pp} divides"
+                f" {world_size}. Use pipeline_stages from {[d for d in range(2, world_size + 1) if world_size % d == 0]}."
+            )
+        return cls(pp=pp, dp=world_size // pp, world_size=world_size)
+
+    def layout(self) -> list[list[int]]:
+        """The ``pp x dp`` grid of global ranks (row = one stage; column = one pipeline)."""
+        return [[s * self.dp + d for d in range(self.dp)] for s in range(self.pp)]
+
+    def coordinates(self, rank: int) -> tuple[int, int]:
+        """(pipeline index = data-parallel rank, stage index = pipeline rank) of ``rank``."""
+        return rank % self.dp, rank // self.dp
+
+    def build_mesh(self, device_type: str) -> Any:
+        """A 2-D ``DeviceMesh`` named ``("pp", "dp")``. Every rank must call it (it makes groups)."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh(device_type, torch.tensor(self.layout(), dtype=torch.int), mesh_dim_names=("pp", "dp"))

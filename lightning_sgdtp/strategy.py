@@ -67,13 +67,17 @@ from lightning_sgdtp.compiler.buckets import Bucket, GraphPlan
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.faults import Liveness, RankLostError, is_distributed_error
 from lightning_sgdtp.ledger import BackwardRecord, GradLedger, walk_autograd_graph
-from lightning_sgdtp.mesh import ParallelDims
+from lightning_sgdtp.mesh import ParallelDims, PipelineDims
 from lightning_sgdtp.parallel.checkpointing import (
     apply_activation_checkpointing,
+    checkpoint_blocks,
     find_block_stack,
     no_block_stack_message,
 )
-from lightning_sgdtp.parallel.clipping import clip_grad_norm_
+from lightning_sgdtp.parallel.clipping import clip_grad_norm_, clip_pipeline_grad_norm_
+from lightning_sgdtp.parallel.pipeline import PipelineRunner, check_pipeline_contract, replay_logs, stages_per_rank
+from lightning_sgdtp.parallel.pipeline import StepResult as PipelineStepResult
+from lightning_sgdtp.parallel.pipeline_split import PipelineSplit, PipelineSplitError, plan_pipeline_split
 from lightning_sgdtp.parallel.tensor import (
     TensorPlan,
     TensorPlanError,
@@ -178,6 +182,10 @@ class SGDTPStrategy(ParallelStrategy):
         compile_cache: str | None = None,
         pipeline_chunks: int | None = None,
         pipeline_stages: int | None = None,
+        pipeline_schedule: str | None = None,
+        pipeline_split: list[str] | None = None,
+        pipeline_balance: str | None = None,
+        pipeline_stages_per_rank: int | None = None,
         tensor_parallel_size: Any | None = None,
         tp_plan: dict[str, str] | None = None,
         sequence_parallel: bool | None = None,
@@ -204,6 +212,10 @@ class SGDTPStrategy(ParallelStrategy):
             "compile_cache": compile_cache,
             "pipeline_chunks": pipeline_chunks,
             "pipeline_stages": pipeline_stages,
+            "pipeline_schedule": pipeline_schedule,
+            "pipeline_split": pipeline_split,
+            "pipeline_balance": pipeline_balance,
+            "pipeline_stages_per_rank": pipeline_stages_per_rank,
             "tensor_parallel_size": tensor_parallel_size,
             "tp_plan": tp_plan,
             "sequence_parallel": sequence_parallel,
@@ -251,6 +263,11 @@ class SGDTPStrategy(ParallelStrategy):
         self._tp_plan: TensorPlan | None = None
         # A checkpoint's model and optimizer states were loaded by the strategy itself (sharded or resharded).
         self._states_loaded = False
+        # Pipeline parallel: sizes (pp x dp), the split (plain data), this rank's stages and schedule.
+        self._pipe_dims: PipelineDims | None = None
+        self._pipe_split: PipelineSplit | None = None
+        self._pipeline: PipelineRunner | None = None
+        self._zero_grad: Callable[..., Any] | None = None
 
     # ----------------------------------------------------------------------------------------- properties
     @property
@@ -296,11 +313,14 @@ class SGDTPStrategy(ParallelStrategy):
 
     @property
     def dp_size(self) -> int:
+        if self._pipe_dims is not None:
+            return self._pipe_dims.dp
         return self._dims.dp if self._dims is not None else self.num_nodes * self.num_processes
 
     @property
     def device_mesh(self) -> Any | None:
-        """The 2-D ``DeviceMesh`` (``"dp"``, ``"tp"``) of ``parallelism="tensor"``/``"hybrid"``; None for data."""
+        """The 2-D ``DeviceMesh``: (``"dp"``, ``"tp"``) for ``parallelism="tensor"``/``"hybrid"``, (``"pp"``,
+        ``"dp"``) with pipeline parallelism; None for data parallel alone."""
         return self._mesh
 
     @property
@@ -311,7 +331,7 @@ class SGDTPStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Sized by the data-parallel group: the ranks of one tensor-parallel group read the same batches.
-        rank = self._dp_rank if self._dims is not None else self.global_rank
+        rank = self._dp_rank if self._mesh is not None else self.global_rank
         return {"num_replicas": self.dp_size, "rank": rank}
 
     @property
@@ -351,12 +371,15 @@ class SGDTPStrategy(ParallelStrategy):
             "tp_size": self._dims.tp if self._dims is not None else 1,
             "mesh_layout": self._layout,
             "tensor_parallel_plan": self._tp_plan.to_dict() if self._tp_plan is not None else None,
+            "pipeline": self._pipeline_plan(),
             "num_nodes": self.num_nodes,
             "process_group_backend": self._process_group_backend,
             "config": self._config.to_dict(),
             "grad_sync": (
                 "none (one process)"
                 if self.world_size == 1
+                else "in-graph per micro-batch, each stage over its data-parallel group"
+                if self._pipe_dims is not None
                 else "in-graph"
                 if compiler is None or compiler.in_graph_sync
                 else "after-last-micro-batch (gradient accumulation)"
@@ -367,6 +390,20 @@ class SGDTPStrategy(ParallelStrategy):
             "fallback_params": list(self._fallback_params),
             "last_step_sync": dict(ledger.last_step) if ledger else {},
             "bytes_per_step": {"in_graph": in_graph, "fallback": fallback, "total": in_graph + fallback},
+        }
+
+    def _pipeline_plan(self) -> dict[str, Any] | None:
+        if self._pipe_dims is None:
+            return None
+        runner = self._pipeline
+        return {
+            "pp_size": self._pipe_dims.pp,
+            "dp_size": self._pipe_dims.dp,
+            "schedule": self._config.pipeline_schedule,
+            "chunks": self._config.chunks_for(self._pipe_dims.pp),
+            "split": self._pipe_split.to_dict() if self._pipe_split is not None else None,
+            "stages_of_rank_0": runner.stage_ids if runner is not None and self.global_rank == 0 else None,
+            "traced": list(runner.retraced) if runner is not None else [],
         }
 
     # ---------------------------------------------------------------------------------------- processes
@@ -380,7 +417,12 @@ class SGDTPStrategy(ParallelStrategy):
                 " broadcast from rank 0 each step, as broadcast_buffers=True), or use strategy='ddp'."
             )
         assert self.cluster_environment is not None
-        if self._config.parallelism != "data":  # sizes that cannot work fail here, before any process starts
+        if self._config.pipelined:  # sizes that cannot work fail here, before any process starts
+            dims = PipelineDims.resolve(
+                self._config.pipeline_stages, self.num_nodes * self.num_processes, self.num_nodes
+            )
+            self._config._check_pipeline_sizes(dims.pp)
+        if self._config.parallelism != "data":
             ParallelDims.resolve(
                 self._config.parallelism,
                 self._config.tensor_parallel_size,
@@ -445,8 +487,23 @@ class SGDTPStrategy(ParallelStrategy):
                 env.main_address, env.main_port, self.global_rank, expected, key[0], self._config.collective_timeout
             )
             self._liveness.start()
-        if self._config.parallelism != "data" and self._mesh is None:
+        if self._config.pipelined and self._mesh is None:
+            self._setup_pipeline_mesh()
+        elif self._config.parallelism != "data" and self._mesh is None:
             self._setup_mesh()
+
+    def _setup_pipeline_mesh(self) -> None:
+        dims = PipelineDims.resolve(self._config.pipeline_stages, self.world_size, self.num_nodes)
+        self._mesh = dims.build_mesh(self.root_device.type)
+        self._pipe_dims, self._layout = dims, dims.layout()
+        self._dp_rank = dims.coordinates(self.global_rank)[0]
+        per_rank = stages_per_rank(self._config.pipeline_schedule, self._config.pipeline_stages_per_rank)
+        self._say(
+            f"pipeline: {dims.dp} pipeline(s) of {dims.pp} ranks ({dims.pp * per_rank} stages,"
+            f" {self._config.pipeline_schedule}, {self._config.chunks_for(dims.pp)} micro-batches per step); stage"
+            f" groups (rows, data parallel inside each) {self._layout}"
+            + ("; pipelines run across nodes" if self.num_nodes > 1 and dims.pp == self.num_nodes else "")
+        )
 
     def _setup_mesh(self) -> None:
         """Sizes from the topology, tensor-parallel groups on the fastest links, the 2-D ``DeviceMesh``."""
@@ -486,7 +543,9 @@ class SGDTPStrategy(ParallelStrategy):
         # Every replica starts from rank 0's weights and buffers, as with DDP.
         if not _is_split(self.model):
             _sync_module_states(self.model, _group.WORLD, 250 * 2**20, src=0, params_and_buffers_to_ignore=set())
-        if self._mesh is not None:
+        if self._pipe_dims is not None:
+            self._setup_pipeline()
+        elif self._mesh is not None:
             self._apply_tensor_parallel()
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_training(trainer)
@@ -545,6 +604,9 @@ class SGDTPStrategy(ParallelStrategy):
             f" {self.num_processes}), data-parallel group of {self.dp_size}, backend={self._process_group_backend},"
             f" processes from {type(self.cluster_environment).__name__}"
         )
+        if self._pipeline is not None:
+            self._say_pipeline_sync()
+            return
         if self._config.activation_checkpointing and self._checkpointed_blocks is None:
             self._checkpointed_blocks = apply_activation_checkpointing(module)
             self._say(
@@ -589,6 +651,116 @@ class SGDTPStrategy(ParallelStrategy):
                 f"accumulate_grad_batches={accumulate}: graphs compiled without collectives; one bucketed sync"
                 " after the last micro-batch of each optimizer step (none on the others)"
             )
+
+    # ----------------------------------------------------------------------------------------- pipeline
+    def _setup_pipeline(self) -> None:
+        """Plan the split (plain data, logged), make the stage compiler and this rank's pipeline runner."""
+        module = self.lightning_module
+        assert module is not None and self._pipe_dims is not None and self._mesh is not None
+        if self._pipeline is not None and self._pipeline.module is module:
+            return
+        config, dims = self._config, self._pipe_dims
+        check_pipeline_contract(module)
+        stages = dims.pp * stages_per_rank(config.pipeline_schedule, config.pipeline_stages_per_rank)
+        try:
+            split = plan_pipeline_split(module, stages, split_points=config.pipeline_split)
+        except PipelineSplitError as exc:
+            raise SGDTPConfigError(str(exc)) from exc
+        dp_group = self._mesh["dp"].get_group()
+        names = {id(p): n for n, p in module.named_parameters()}
+        self._compiler = SGDTPCompiler(config, group=dp_group, param_names=names, on_plan=self._on_graph_plan)
+        self._compiler.in_graph_sync = dims.dp > 1
+        self._compiled_for = (id(module), True)
+        self._breaks_at_setup = _graph_break_counts()
+        self._pipeline = PipelineRunner(
+            module,
+            split,
+            config.pipeline_schedule,
+            config.chunks_for(dims.pp),
+            self._mesh["pp"].get_group(),
+            self.root_device,
+            prepare=self._prepare_stage,
+            measure=config.pipeline_balance == "measured",
+            on_split=self._on_split,
+        )
+        self._on_split(split)
+        # The schedule runs backward inside training_step; Lightning zeroes gradients after training_step and
+        # before backward. Its zero_grad is therefore deferred to us: run before the schedule, at the first
+        # micro-step of each accumulation window, as Lightning would have.
+        if "optimizer_zero_grad" not in module.__dict__:
+            self._zero_grad = module.optimizer_zero_grad
+            module.optimizer_zero_grad = _zero_grad_done_by_strategy
+        runner, plugin = self._pipeline, self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+            clip_pipeline_grad_norm_(plugin.main_params(optimizer), clip_val, runner.group, runner.holders)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # the norm over every stage, not this rank's
+
+    def _on_split(self, split: PipelineSplit) -> None:
+        self._pipe_split = split
+        for line in split.describe():
+            self._say(line)
+
+    def _prepare_stage(self, stage: torch.nn.Module) -> None:
+        """Activation checkpointing per block inside the stage, then compile the stage through the backend."""
+        assert self._pipe_split is not None and self._compiler is not None
+        if self._config.activation_checkpointing:
+            blocks = checkpoint_blocks(stage, self._pipe_split.blocks_per_stage)
+            if blocks and self._checkpointed_blocks is None:
+                self._checkpointed_blocks = []
+            if blocks and blocks[0] not in (self._checkpointed_blocks or []):
+                self._checkpointed_blocks = sorted({*(self._checkpointed_blocks or []), *blocks})
+                self._say(
+                    f"activation checkpointing on {len(blocks)} block(s) of a stage ({blocks[0]} .. {blocks[-1]})"
+                )
+        stage.compile(backend=self._compiler)
+
+    def _say_pipeline_sync(self) -> None:
+        assert self._pipe_dims is not None
+        if self._pipe_dims.dp > 1:
+            self._say(
+                f"gradient sync inside each stage's compiled backward, over its data-parallel group of"
+                f" {self._pipe_dims.dp}: buckets of <= {self._config.bucket_cap_mb} MiB, once per micro-batch"
+                " (overlapped with the next micro-batches' compute)"
+            )
+        else:
+            self._say("one pipeline: no data-parallel gradient sync; activations travel stage to stage")
+
+    def _pipeline_step(self, hook: str, args: tuple, kwargs: dict) -> PipelineStepResult:
+        assert self._pipeline is not None and self.lightning_module is not None
+        batch = args[0] if args else kwargs.get("batch")
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        trainer = self.lightning_module.trainer
+        scale = 1.0 / trainer.accumulate_grad_batches if hook == "training_step" else 1.0
+        seen = len(self._pipeline.retraced)
+        with self._guard(hook):
+            result = self._pipeline.run(hook, batch, batch_idx, scale=scale)
+        for traced in self._pipeline.retraced[seen:]:
+            self._say(f"pipeline stages traced and compiled for {traced}")
+        replay_logs(self.lightning_module, result.logs, self.root_device)
+        return result
+
+    def _pipeline_after_backward(self) -> None:
+        """At the last micro-step of an optimizer step: tied parameters summed over the pipeline, then what the
+        compiled backward did not average (a stage run eagerly) averaged over the data-parallel group."""
+        runner, compiler = self._pipeline, self._compiler
+        assert runner is not None and compiler is not None and self._mesh is not None
+        if not self._sync_enabled:
+            return
+        with self._guard("pipeline gradient sync"):
+            if self.dp_size > 1:
+                rest = [
+                    p for p in runner.local_parameters if p.grad is not None and id(p) not in compiler.graph_param_ids
+                ]
+                if rest:
+                    flat = torch.cat([p.grad.reshape(-1) for p in rest]) / self.dp_size
+                    dist.all_reduce(flat, group=self._mesh["dp"].get_group())
+                    offset = 0
+                    for p in rest:
+                        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                        offset += p.numel()
+            runner.sum_tied_gradients()
 
     def _setup_compile_cache(self, module: pl.LightningModule, in_graph: bool) -> None:
         """Key the bundle by what makes compiled artifacts valid; load it if it verifies; lock compiles."""
@@ -642,6 +814,15 @@ class SGDTPStrategy(ParallelStrategy):
     # --------------------------------------------------------------------------------------------- steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            trainer = self.lightning_module.trainer
+            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+            if batch_idx % trainer.accumulate_grad_batches == 0 and self._zero_grad is not None:
+                for optimizer in self.optimizers:
+                    self._zero_grad(trainer.current_epoch, batch_idx, optimizer)
+            with self.precision_plugin.train_step_context():
+                result = self._pipeline_step("training_step", args, kwargs)
+            return torch.tensor(result.loss, device=self.root_device)
         with self._guard("training_step"):
             if self._config.broadcast_buffers:
                 self._broadcast_buffers()
@@ -659,16 +840,30 @@ class SGDTPStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            with self.precision_plugin.val_step_context():
+                self._pipeline_step("validation_step", args, kwargs)
+            return None
         with self._split_context():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            with self.precision_plugin.test_step_context():
+                self._pipeline_step("test_step", args, kwargs)
+            return None
         with self._split_context():
             return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            raise NotAvailableYetError(
+                "predict with pipeline parallelism is not available yet (the outputs exist on the last stage only)."
+                " Consolidate the checkpoint (sgdtp consolidate DIR model.ckpt) and predict with strategy='sgdtp'"
+                " without pipeline_stages."
+            )
         with self._split_context():
             return super().predict_step(*args, **kwargs)
 
@@ -684,6 +879,14 @@ class SGDTPStrategy(ParallelStrategy):
         # precision plugin's post_backward runs `on_after_backward`: hooks see averaged gradients, as with DDP.
         module = self.lightning_module
         assert module is not None
+        if self._pipeline is not None:
+            # The schedule ran every micro-batch's backward inside training_step; Lightning's hooks still run.
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            self._pipeline_after_backward()
+            closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+            self.post_backward(closure_loss)
+            return closure_loss
         with self._guard("backward"):
             self.pre_backward(closure_loss)
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
@@ -780,6 +983,10 @@ class SGDTPStrategy(ParallelStrategy):
             )
         path = Path(self.broadcast(str(filepath)))
         token = self.broadcast(uuid.uuid4().hex[:12])
+        if self._pipeline is not None:
+            # Each rank writes its stages' tensors (its copy of the others' is stale); DCP keeps one copy of what
+            # several ranks write (data-parallel replicas, a tied parameter).
+            checkpoint = {**checkpoint, "state_dict": self._pipeline.stage_state_dict(checkpoint["state_dict"])}
         with self._guard("save_checkpoint"):
             sharded.save(path, checkpoint, self.global_rank, token, self.barrier, self._config.signing_key)
         return None
@@ -972,6 +1179,10 @@ class SGDTPStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._pipeline is not None and _distributed_is_initialized():
+            # Pipeline sends may still be in flight on a neighbour: gloo aborts if a peer leaves mid-transfer.
+            with contextlib.suppress(Exception):
+                self.barrier("pipeline teardown")
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
@@ -979,6 +1190,9 @@ class SGDTPStrategy(ParallelStrategy):
             self._liveness.close()
             self._liveness = None
         self._compiled_steps.clear()
+        if self.lightning_module is not None and self._zero_grad is not None:
+            self.lightning_module.__dict__.pop("optimizer_zero_grad", None)
+            self._zero_grad = None
         if self.lightning_module is not None:
             for owner, hook in _bookkeeping_hooks(self.lightning_module, installed=True):
                 delattr(owner, hook)
@@ -1027,6 +1241,11 @@ def _bookkeeping_hooks(module: torch.nn.Module, installed: bool = False) -> list
     hooks: list[tuple[Any, str]] = [(module, "log"), (module, "log_dict")]
     hooks += [(m, "forward") for m in module.modules() if isinstance(m, Metric)]
     return [(owner, hook) for owner, hook in hooks if (hook in owner.__dict__) == installed]
+
+
+def _zero_grad_done_by_strategy(*args: Any, **kwargs: Any) -> None:
+    """Lightning's zero_grad between training_step and backward, with pipeline parallelism: the strategy has
+    already zeroed before the schedule (which ran the backward inside training_step)."""
 
 
 def _is_split(module: torch.nn.Module) -> bool:

@@ -60,3 +60,17 @@ def apply_activation_checkpointing(module: nn.Module) -> list[str]:
     )
     prefix = f"{stack_name}." if stack_name else ""
     return [f"{prefix}{i}" for i in range(len(blocks))]
+
+
+def checkpoint_blocks(module: nn.Module, blocks_per_stage: list[list[str]]) -> list[str]:
+    """Wrap, inside ``module`` (a pipeline stage), each block named in ``blocks_per_stage`` that it holds with a
+    non-reentrant checkpoint; the stage is compiled afterwards, so each stays one graph. Returns their names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    wanted = {b for stage in blocks_per_stage for b in stage}
+    found = [name for name, _ in module.named_modules() if name in wanted]
+    for name in found:
+        owner, _, leaf = name.rpartition(".")
+        parent = module.get_submodule(owner)
+        parent._modules[leaf] = checkpoint_wrapper(parent._modules[leaf], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return found

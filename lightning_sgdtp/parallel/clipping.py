@@ -59,3 +59,31 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
         local = local_shard(p.grad)
         local.mul_(coef.to(local.device, local.dtype))
     return total
+
+
+def clip_pipeline_grad_norm_(
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    group: dist.ProcessGroup,
+    holders: dict[int, int] | None = None,
+    norm_type: float = 2.0,
+) -> Tensor:
+    """Clip by the norm of the whole model when each rank of a pipeline holds some stages' parameters: each
+    rank's ``sum |g|^p`` is summed over the pipeline ``group``; a parameter ``holders[id(p)]`` ranks hold (a tied
+    embedding and head) counts once. The data-parallel replicas hold averaged, equal gradients: no reduce."""
+    params = [p for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    is_inf = math.isinf(norm_type)
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = p.grad.detach().float()
+        if is_inf:
+            total = torch.maximum(total, g.abs().max().double().cpu())
+        else:
+            total += g.abs().pow(norm_type).sum().double().cpu() / (holders or {}).get(id(p), 1)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+    norm = (total if is_inf else total.pow(1.0 / norm_type)).float()
+    coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+    return norm

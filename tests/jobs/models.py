@@ -202,3 +202,9 @@ class LlamaLike(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def pp_gpt(lr: float = 1e-2) -> GPTLightningModule:
+    """The small GPT with four blocks: two stages of two, or four interleaved stages of one."""
+    config = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=2, n_embd=32)
+    return GPTLightningModule.from_config(config, lr=lr, weight_decay=0.0)

@@ -1,0 +1,530 @@
+"""Pipeline parallelism, part two: run the split model on ``torch.distributed.pipelining``.
+
+The split (:mod:`~lightning_sgdtp.parallel.pipeline_split`) names the block where each stage starts. Torch's own
+pipeline frontend (``torch.distributed.pipelining.pipeline``: ``torch.export`` of the LightningModule's
+``forward``, cut before those blocks) turns it into stage modules, so whatever code runs before the block stack
+(embeddings, positions) lands on stage 0 and whatever runs after it (final norm, head) on the last stage, with
+no change to the model. Stage modules keep the LightningModule's parameter names and hold its very parameters:
+the optimizer the LightningModule configured steps them, and a checkpoint is keyed as without a pipeline.
+A parameter used on two stages (a tied embedding and LM head) is one parameter on each rank that holds either
+stage; its gradient is summed over the pipeline group after each step, so the copies stay equal.
+
+**The LightningModule contract** (checked before training, named in the error when broken):
+
+1. ``training_step(batch, batch_idx)`` / ``validation_step`` call ``self(...)`` once, on tensors of the batch
+   whose first dimension is the batch size, and compute the loss from its output (a mean over the batch). The
+   steps run on the last stage, once per micro-batch, with ``self(...)`` returning that micro-batch's pipeline
+   output; ``self.log`` inside them is recorded and, after the schedule, replayed on **every** rank of the
+   pipeline: numbers and tensors averaged over the micro-batches, torchmetrics objects as themselves.
+2. ``forward`` is traceable by ``torch.export`` (no data-dependent Python control flow), and the block stack
+   is found (or ``pipeline_split`` names where the stages start).
+
+A micro-batch shape met for the first time (the last, shorter batch of an epoch; validation, traced in eval
+mode) is traced and compiled once more; afterwards it is reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_sgdtp.parallel.pipeline_split import PipelineSplit
+
+#: ``pipeline_schedule`` values and torch's schedule classes.
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+}
+
+
+class PipelineContractError(RuntimeError):
+    """The LightningModule does not meet the pipeline contract. The message names the missing piece."""
+
+
+def stages_per_rank(schedule: str, virtual: int | None) -> int:
+    """Stages each rank holds: 1 for GPipe/1F1B; ``virtual`` (default 2) for interleaved 1F1B."""
+    if schedule != "interleaved_1f1b":
+        return 1
+    return virtual or 2
+
+
+def check_chunks(schedule: str, chunks: int, pp: int, stages: int) -> str | None:
+    """Why torch's schedule would refuse ``chunks`` micro-batches (None when it accepts them)."""
+    if schedule == "1f1b" and chunks < stages:
+        return (
+            f"pipeline_schedule='1f1b' needs at least as many micro-batches as stages: pipeline_chunks={chunks} <"
+            f" {stages} stages. Use pipeline_chunks >= {stages} (more chunks, a smaller bubble), or 'gpipe'."
+        )
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, chunks // pp)
+        if chunks % rounds:
+            return (
+                f"pipeline_schedule='interleaved_1f1b' over {pp} ranks needs pipeline_chunks to be a multiple of"
+                f" max(1, chunks // {pp}) = {rounds}; {chunks} is not. Use a multiple of {pp}, e.g. {pp * rounds}."
+            )
+    return None
+
+
+def chunks_for(batch_size: int, chunks: int) -> int:
+    """Micro-batches for a batch: ``chunks``, or for a batch it does not divide (the last of an epoch) the
+    largest count <= ``chunks`` that divides it, so every micro-batch has the same shape."""
+    return max(c for c in range(1, min(chunks, batch_size) + 1) if batch_size % c == 0)
+
+
+# ------------------------------------------------------------------------------------------ contract
+class _Captured(Exception):
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__()
+        self.args_, self.kwargs_ = args, kwargs
+
+
+@contextlib.contextmanager
+def _replaced(module: nn.Module, attribute: str, value: Any) -> Generator[None, None, None]:
+    """Set an instance attribute (``forward``, ``log``) for the duration; restore what was there."""
+    missing = object()
+    before = module.__dict__.get(attribute, missing)
+    setattr(module, attribute, value)
+    try:
+        yield
+    finally:
+        if before is missing:
+            delattr(module, attribute)
+        else:
+            setattr(module, attribute, before)
+
+
+def capture_forward_inputs(module: nn.Module, hook: str, batch: Any, batch_idx: int) -> tuple[tuple, dict]:
+    """The arguments ``module.<hook>(batch, batch_idx)`` passes to ``self(...)``; stops it right there."""
+
+    def grab(*args: Any, **kwargs: Any) -> Any:
+        raise _Captured(args, kwargs)
+
+    with _replaced(module, "forward", grab), _replaced(module, "log", lambda *a, **k: None):
+        try:
+            getattr(module, hook)(batch, batch_idx)
+        except _Captured as call:
+            return call.args_, call.kwargs_
+    raise PipelineContractError(
+        f"{type(module).__name__}.{hook} never called self(...): with pipeline parallelism the model runs through"
+        f" the pipeline when {hook} calls self(inputs), once per step; compute the loss from what it returns."
+    )
+
+
+def check_pipeline_contract(module: nn.Module) -> None:
+    """What can be checked before the first batch: the LightningModule defines the steps the pipeline runs."""
+    from lightning.pytorch import LightningModule
+
+    if type(module).training_step is LightningModule.training_step:
+        raise PipelineContractError(
+            f"{type(module).__name__} defines no training_step: with pipeline parallelism training_step(batch,"
+            " batch_idx) must call self(inputs) once and return the loss computed from its output."
+        )
+    if type(module).forward is LightningModule.forward:
+        raise PipelineContractError(
+            f"{type(module).__name__} defines no forward: the pipeline traces forward(inputs) and cuts it into stages;"
+            " define forward to run the model (e.g. return self.model(x))."
+        )
+
+
+def measure_block_costs(module: nn.Module, blocks: Sequence[str], args: tuple, kwargs: dict) -> list[float]:
+    """Seconds each block's forward takes on one micro-batch (the best of 3 runs, after one warm-up)."""
+    import time
+
+    times: dict[str, list[float]] = {b: [] for b in blocks}
+    started: dict[str, float] = {}
+    handles = []
+    for name in blocks:
+        block = module.get_submodule(name)
+        handles.append(block.register_forward_pre_hook(lambda *_, n=name: started.__setitem__(n, time.perf_counter())))
+        handles.append(
+            block.register_forward_hook(lambda *_, n=name: times[n].append(time.perf_counter() - started[n]))
+        )
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                module(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return [max(min(times[b][1:]), 1e-9) for b in blocks]
+
+
+def batch_size_of(args: tuple, kwargs: dict, hook: str) -> int:
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.dim() > 0]
+    if not tensors:
+        raise PipelineContractError(
+            f"{hook} called self(...) without a tensor argument: the pipeline splits the tensors given to self(...)"
+            " into micro-batches along their first dimension. Call self(inputs) with the batch's input tensor."
+        )
+    return tensors[0].shape[0]
+
+
+def split_batch(batch: Any, size: int, chunks: int) -> list[Any]:
+    """``batch`` (any nesting of tuples, lists, dicts) cut into ``chunks`` micro-batches along dim 0 of every
+    tensor whose first dimension is ``size``; other leaves are repeated. As the schedules split ``self(...)``'s
+    inputs (``torch.tensor_split``), so micro-batch i of the batch and of the inputs are the same samples."""
+    leaves, spec = tree_flatten(batch)
+    parts = [
+        torch.tensor_split(x, chunks) if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size else None
+        for x in leaves
+    ]
+    return [tree_unflatten([p[i] if p is not None else x for x, p in zip(leaves, parts)], spec) for i in range(chunks)]
+
+
+@dataclass
+class _LogCall:
+    args: tuple
+    kwargs: dict
+    values: list[Any] = field(default_factory=list)
+
+
+class LogRecorder:
+    """Records ``self.log`` calls made per micro-batch; :meth:`summary` averages them into plain data."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.calls: dict[str, _LogCall] = {}
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        call = self.calls.setdefault(name, _LogCall(args, kwargs))
+        call.values.append(value)
+
+    def summary(self) -> list[tuple[str, str, Any, tuple, dict]]:
+        """``(name, kind, value, args, kwargs)``: kind ``"metric"`` (value: the metric's module path) or
+        ``"value"`` (value: the mean over micro-batches, a float)."""
+        from torchmetrics import Metric
+
+        paths = {id(m): n for n, m in self.module.named_modules()}
+        out = []
+        for name, call in self.calls.items():
+            last = call.values[-1]
+            if isinstance(last, Metric):
+                if id(last) not in paths:
+                    raise PipelineContractError(
+                        f"self.log({name!r}, metric): with pipeline parallelism a logged torchmetrics Metric must be"
+                        " an attribute of the LightningModule (so every rank logs the same metric)."
+                    )
+                out.append((name, "metric", paths[id(last)], call.args, call.kwargs))
+                continue
+            numbers = [float(v.detach().float().mean()) if isinstance(v, Tensor) else float(v) for v in call.values]
+            out.append((name, "value", math.fsum(numbers) / len(numbers), call.args, call.kwargs))
+        return out
+
+
+def replay_logs(module: nn.Module, summary: Sequence[tuple[str, str, Any, tuple, dict]], device: torch.device) -> None:
+    """Log on this rank what the last stage recorded (the same names, options and values on every rank)."""
+    for name, kind, value, args, kwargs in summary:
+        logged = module.get_submodule(value) if kind == "metric" else torch.tensor(value, device=device)
+        module.log(name, logged, *args, **kwargs)
+
+
+# -------------------------------------------------------------------------------------------- stages
+def _relink(stage_module: nn.Module, module: nn.Module) -> None:
+    """Make the stage module hold the LightningModule's own parameters and buffers (the frontend copies tied
+    ones), so the configured optimizer steps them and the two uses of a tied parameter are one tensor."""
+    for name, param in list(stage_module.named_parameters(remove_duplicate=False)):
+        original = module.get_parameter(name)
+        if param is not original:
+            owner, _, leaf = name.rpartition(".")
+            stage_module.get_submodule(owner)._parameters[leaf] = original
+    for name, buf in list(stage_module.named_buffers(remove_duplicate=False)):
+        try:
+            original = module.get_buffer(name)
+        except AttributeError:
+            continue  # a constant the export lifted, not a buffer of the module
+        if buf is not original:
+            owner, _, leaf = name.rpartition(".")
+            stage_module.get_submodule(owner)._buffers[leaf] = original
+
+
+@contextlib.contextmanager
+def _forwards_kept(module: nn.Module) -> Generator[None, None, None]:
+    """torch's frontend marks split points by replacing blocks' ``forward``; put them back after tracing."""
+    before = {id(m): m.__dict__.get("forward") for m in module.modules()}
+    try:
+        yield
+    finally:
+        for m in module.modules():
+            if m.__dict__.get("forward") is not before.get(id(m)):
+                if before.get(id(m)) is None:
+                    m.__dict__.pop("forward", None)
+                else:
+                    m.forward = before[id(m)]
+                m.__dict__.pop("_orig_forward", None)
+
+
+@dataclass
+class _Built:
+    stages: list[Any]
+    schedule: Any
+    chunks: int
+
+
+@dataclass
+class StepResult:
+    """What one pipelined step produced, the same on every rank of the pipeline."""
+
+    loss: float | None
+    logs: list[tuple[str, str, Any, tuple, dict]]
+
+
+class PipelineRunner:
+    """This rank's stages of one pipeline and the schedule that runs them.
+
+    Args:
+        module: the LightningModule (every rank holds all of it; a stage runs only its part).
+        split: the plan (:func:`~lightning_sgdtp.parallel.pipeline_split.plan_pipeline_split`).
+        schedule: a key of :data:`SCHEDULES`.
+        chunks: micro-batches per step (``pipeline_chunks``).
+        group: the pipeline process group (this rank's stages talk to its neighbours in it).
+        device: this rank's device.
+        prepare: called on each new stage module before its first use (activation checkpointing, compile).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        split: PipelineSplit,
+        schedule: str,
+        chunks: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        prepare: Callable[[nn.Module], None] | None = None,
+        measure: bool = False,
+        on_split: Callable[[PipelineSplit], None] | None = None,
+    ) -> None:
+        self.module = module
+        self.split = split
+        self.schedule_name = schedule
+        self.chunks = chunks
+        self.group = group
+        self.device = device
+        self.prepare = prepare
+        self.measure = measure
+        self.on_split = on_split
+        #: Parameter and buffer names per stage, from the traced split (the same on every rank).
+        self.names_per_stage: list[set[str]] = []
+        self.pp_size = dist.get_world_size(group)
+        self.pp_rank = dist.get_rank(group)
+        self.num_stages = split.stages
+        per_rank = self.num_stages // self.pp_size
+        #: Loop placement (as torch's interleaved schedules expect): rank r holds stages r, r + pp, ...
+        self.stage_ids = [self.pp_rank + k * self.pp_size for k in range(per_rank)]
+        self.has_first = 0 in self.stage_ids
+        self.has_last = self.num_stages - 1 in self.stage_ids
+        self.last_rank = dist.get_global_rank(group, (self.num_stages - 1) % self.pp_size)
+        self._built: dict[Any, _Built] = {}
+        self._micro_batches: list[Any] = []
+        self._hook = "training_step"
+        self._batch_idx = 0
+        self._scale = 1.0
+        self._losses: dict[int, float] = {}
+        self._recorder: LogRecorder | None = None
+        self.local_parameters: list[nn.Parameter] = []
+        self.tied: list[nn.Parameter] = []
+        self.holders: dict[int, int] = {}
+        self.retraced: list[str] = []
+
+    # ------------------------------------------------------------------------------------ building
+    def _split_spec(self) -> dict[str, Any]:
+        from torch.distributed.pipelining import SplitPoint
+
+        return {blocks[0]: SplitPoint.BEGINNING for blocks in self.split.blocks_per_stage[1:]}
+
+    def _build(self, args: tuple, kwargs: dict, chunks: int) -> _Built:
+        from torch.distributed import pipelining
+
+        mb_args, mb_kwargs = _first_chunk(args, chunks), _first_chunk(kwargs, chunks)
+        key = (_shapes((mb_args, mb_kwargs)), chunks, self.module.training)
+        built = self._built.get(key)
+        if built is not None:
+            return built
+        with _forwards_kept(self.module):
+            try:
+                pipe = pipelining.pipeline(self.module, mb_args=mb_args, mb_kwargs=mb_kwargs or None,
+                                           split_spec=self._split_spec())  # fmt: skip
+            except Exception as exc:
+                raise PipelineContractError(
+                    f"torch.export could not trace {type(self.module).__name__}.forward for the pipeline ({exc})."
+                    " The forward must be one graph: no data-dependent Python control flow (if/for on tensor"
+                    " values), no .item() or .tolist(). Make that code shape-only, or name the stages with"
+                    " pipeline_split."
+                ) from exc
+        if pipe.num_stages != self.num_stages:
+            raise PipelineContractError(
+                f"the traced forward cut into {pipe.num_stages} stages, not {self.num_stages}: the blocks"
+                f" {[b[0] for b in self.split.blocks_per_stage[1:]]} must each be called once, in order, by forward."
+            )
+        if not self.names_per_stage:
+            modules = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+            self._find_shared([{n for n, _ in m.named_parameters()} for m in modules])
+            self.names_per_stage = [
+                {n for n, _ in m.named_parameters()} | {n for n, _ in m.named_buffers()} for m in modules
+            ]
+        stages = []
+        for index in self.stage_ids:
+            stage = pipe.build_stage(index, self.device, self.group)
+            _relink(stage.submod, self.module)
+            if self.prepare is not None:
+                self.prepare(stage.submod)
+            stages.append(stage)
+        del pipe
+        if not self.local_parameters:
+            self.local_parameters = list({id(p): p for s in stages for p in s.submod.parameters()}.values())
+        schedule = self._schedule(stages, chunks)
+        built = _Built(stages, schedule, chunks)
+        self._built[key] = built
+        self.retraced.append(f"{'train' if key[2] else 'eval'} micro-batch {key[0]} x {chunks}")
+        return built
+
+    def _measure(self, args: tuple, kwargs: dict, chunks: int) -> None:
+        """``pipeline_balance="measured"``: time the blocks on this micro-batch, agree (the slowest rank's times),
+        split again by those costs."""
+        from lightning_sgdtp.parallel.pipeline_split import plan_pipeline_split
+
+        self.measure = False
+        blocks = [b for stage in self.split.blocks_per_stage for b in stage]
+        costs = torch.tensor(
+            measure_block_costs(self.module, blocks, _first_chunk(args, chunks), _first_chunk(kwargs, chunks)),
+            dtype=torch.float64,
+        )
+        if dist.is_initialized():
+            dist.all_reduce(costs, op=dist.ReduceOp.MAX)
+        self.split = plan_pipeline_split(self.module, self.num_stages, block_costs=costs.tolist())
+        self.split.balance = "measured"
+        if self.on_split is not None:
+            self.on_split(self.split)
+
+    def stage_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` without the entries only other ranks' stages hold (this rank's copy of them is stale)."""
+        if not self.names_per_stage:
+            return state_dict
+        local = set().union(*(self.names_per_stage[i] for i in self.stage_ids))
+        others = set().union(*self.names_per_stage) - local
+        return {k: v for k, v in state_dict.items() if k not in others}
+
+    def _schedule(self, stages: list[Any], chunks: int) -> Any:
+        from torch.distributed import pipelining
+
+        cls = getattr(pipelining, SCHEDULES[self.schedule_name])
+        # Gradients are not divided by the micro-batch count at the end (that would also divide what earlier
+        # steps of gradient accumulation left): the loss is scaled instead, in `_loss`.
+        target = stages if self.schedule_name == "interleaved_1f1b" else stages[0]
+        return cls(target, chunks, loss_fn=self._loss, scale_grads=False)
+
+    def _find_shared(self, names_per_stage: list[set[str]]) -> None:
+        """Parameters that two stages hold (a tied embedding and head), from the traced split itself."""
+        stages_of: dict[int, set[int]] = {}
+        for stage, names in enumerate(names_per_stage):
+            for name in names:
+                stages_of.setdefault(id(self.module.get_parameter(name)), set()).add(stage)
+        shared = {pid for pid, stages in stages_of.items() if len(stages) > 1}
+        self.tied = [p for p in self.module.parameters() if id(p) in shared]
+        #: How many ranks of the pipeline hold each parameter (1 but for tied ones): the norm counts it once.
+        self.holders = {pid: len({s % self.pp_size for s in stages}) for pid, stages in stages_of.items()}
+
+    # ----------------------------------------------------------------------------------------- steps
+    def _loss(self, output: Any, index: Tensor) -> Tensor:
+        i = int(index.reshape(-1)[0])
+        assert self._recorder is not None
+        with (
+            _replaced(self.module, "forward", lambda *a, **k: output),
+            _replaced(self.module, "log", self._recorder.log),
+        ):
+            out = getattr(self.module, self._hook)(self._micro_batches[i], self._batch_idx)
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if loss is None:
+            if self._hook == "training_step":
+                raise PipelineContractError(
+                    "training_step returned no loss: with pipeline parallelism it must return the loss tensor (or a"
+                    " dict with 'loss') computed from self(...)'s output."
+                )
+            return _first_tensor(output).sum() * 0.0
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise PipelineContractError(
+                f"{self._hook} returned {type(loss).__name__}; the pipeline needs a scalar loss tensor (mean over the"
+                " micro-batch)."
+            )
+        self._losses[i] = float(loss.detach())
+        return loss * self._scale
+
+    def run(self, hook: str, batch: Any, batch_idx: int, scale: float = 1.0) -> StepResult:
+        """One step of ``hook`` (``training_step``: forward and backward of every micro-batch, gradients
+        accumulated into ``.grad``; ``validation_step``/``test_step``: forward only). The loss and the logs are
+        broadcast from the last stage, so every rank of the pipeline returns the same result."""
+        args, kwargs = capture_forward_inputs(self.module, hook, batch, batch_idx)
+        size = batch_size_of(args, kwargs, hook)
+        chunks = chunks_for(size, self.chunks)
+        if self.schedule_name != "gpipe" and check_chunks(self.schedule_name, chunks, self.pp_size, self.num_stages):
+            chunks = 1 if size < self.num_stages else chunks  # a tiny last batch: no overlap, but the right result
+        if self.measure and hook == "training_step":
+            self._measure(args, kwargs, chunks)
+        built = self._build(args, kwargs, chunks)
+        self._hook, self._batch_idx, self._losses = hook, batch_idx, {}
+        self._micro_batches = split_batch(batch, size, chunks) if self.has_last else []
+        self._scale = scale / chunks
+        self._recorder = LogRecorder(self.module)
+        target = torch.arange(chunks, device=self.device) if self.has_last else None
+        losses: list[Tensor] = []
+        step = built.schedule.step if hook == "training_step" else built.schedule.eval
+        step_args = args if self.has_first else ()
+        step_kwargs = kwargs if self.has_first else {}
+        if hook == "training_step":
+            step(*step_args, target=target, losses=losses, return_outputs=False, **step_kwargs)
+        else:
+            with torch.no_grad():
+                step(*step_args, target=target, losses=losses, **step_kwargs)
+        payload: list[Any] = [None]
+        if self.has_last:
+            mean = math.fsum(self._losses.values()) / len(self._losses) if self._losses else None
+            payload = [(mean, self._recorder.summary())]
+        self._recorder = None
+        self._micro_batches = []
+        if self.pp_size > 1:
+            dist.broadcast_object_list(payload, src=self.last_rank, group=self.group)
+        loss, logs = payload[0]
+        return StepResult(loss, logs)
+
+    def sum_tied_gradients(self) -> None:
+        """A parameter held by two stages got a part of its gradient on each: sum the parts over the pipeline
+        group (ranks without it add zeros), so every copy takes the same optimizer step."""
+        params = self.tied
+        if not params or self.pp_size == 1:
+            return
+        local = {id(p) for p in self.local_parameters}
+        flat = torch.cat(
+            [(p.grad if id(p) in local and p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            if id(p) in local:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
+
+
+def _first_chunk(tree: Any, chunks: int) -> Any:
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten(
+        [torch.tensor_split(x, chunks)[0] if isinstance(x, Tensor) and x.dim() > 0 else x for x in leaves], spec
+    )
+
+
+def _first_tensor(tree: Any) -> Tensor:
+    return next(x for x in tree_flatten(tree)[0] if isinstance(x, Tensor))
+
+
+def _shapes(tree: Any) -> tuple:
+    return tuple((tuple(x.shape), str(x.dtype)) if isinstance(x, Tensor) else repr(x) for x in tree_flatten(tree)[0])

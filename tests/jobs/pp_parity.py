@@ -1,0 +1,154 @@
+"""Pipeline parallel against single-process training of the same model on the same global batch.
+
+Usage: python tests/jobs/pp_parity.py CASE OUT_DIR. As ``tp_parity.py``: the launching process trains the
+reference on one device (global batch = dp x per-rank batch, Lightning's shuffled order), then Lightning's
+launcher starts the ranks. Every rank sends the tensors its stages hold; rank 0 merges them into full
+``sgdtp.pt`` / ``grads.pt`` (first step) and writes ``info.json`` (plan, every rank's logged metrics).
+Checkpoint cases train in two phases, saving after the first and resuming in a second ``fit``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import parity
+from models import pp_gpt, token_data
+from tp_parity import SaveAt, shuffled_like_lightning
+
+from lightning_sgdtp import SGDTPStrategy
+
+STEPS, BATCH = 6, 8
+PP2 = {"pipeline_stages": 2, "pipeline_chunks": 4}
+VAL = {"limit_val_batches": 2, "val_check_interval": 3}
+# name -> (devices, per-phase sgdtp kwargs (two dicts: save, then resume), trainer kwargs)
+CASES: dict[str, tuple[int, list[dict[str, Any]], dict[str, Any]]] = {
+    "gpipe_2x4": (2, [{**PP2, "pipeline_schedule": "gpipe"}], {"gradient_clip_val": 0.3, **VAL}),
+    "1f1b_2x4": (2, [{**PP2, "pipeline_schedule": "1f1b"}], VAL),
+    "interleaved_2x4": (2, [{**PP2, "pipeline_schedule": "interleaved_1f1b"}], {}),
+    "pp2_dp2_1f1b": (4, [{**PP2, "pipeline_schedule": "1f1b"}], {"gradient_clip_val": 0.3, **VAL}),
+    "options_dict_ckpt_measured": (
+        2,
+        [{"options": {"distributed": {"plugin": "sgdtp", "strategy": "data", "pipeline_chunks": 4}},
+          "pipeline_balance": "measured", "activation_checkpointing": True}],  # fmt: skip
+        {},
+    ),
+    "resume_pp_to_pp": (2, [PP2, {**PP2, "pipeline_split": ["model.blocks.1"]}], {}),
+    "resume_pp_to_dp": (2, [PP2, {}], {}),
+    "pp2_dp2_no_dp_sync_control": (4, [PP2], {}),
+}
+
+
+def dp_size(kwargs: dict[str, Any], devices: int) -> int:
+    pipelined = "pipeline_stages" in kwargs or "options" in kwargs
+    return devices // kwargs.get("pipeline_stages", devices) if pipelined else devices
+
+
+def gather_full(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every rank's tensors (its stages'), merged: what rank 0 returns is the whole model."""
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in named.items()})
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def local_state(strategy: SGDTPStrategy, module: L.LightningModule) -> dict[str, torch.Tensor]:
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return strategy._pipeline.stage_state_dict(state) if strategy._pipeline is not None else state
+
+
+class FirstStepGrads(L.Callback):
+    """The gradients the optimizer sees at the first step (before clipping), this rank's stages only."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] | None = None
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        if self.grads is None:
+            local = {id(p) for p in trainer.strategy._pipeline.local_parameters}
+            self.grads = {
+                n: p.grad.detach().clone() for n, p in module.named_parameters() if id(p) in local and p.grad is not None
+            }
+
+
+def switch_off_dp_sync(strategy: SGDTPStrategy) -> None:
+    setup = strategy._setup_pipeline
+
+    def setup_then_switch_off() -> None:
+        setup()
+        strategy._compiler.in_graph_sync = False
+        strategy._pipeline_after_backward = lambda: strategy._pipeline.sum_tied_gradients()
+
+    strategy._setup_pipeline = setup_then_switch_off
+
+
+def main(case: str, out: Path) -> None:
+    devices, phases, trainer_kwargs = CASES[case]
+    global_batch = BATCH * dp_size(phases[0], devices)
+    if "LOCAL_RANK" not in os.environ:  # the launching process, before any rank starts: the reference
+        L.seed_everything(0, verbose=False)
+        ref_model = pp_gpt()
+        torch.save({k: v.detach().clone() for k, v in ref_model.state_dict().items()}, out / "init.pt")
+        grads: dict[str, torch.Tensor] = {}
+
+        class RefGrads(L.Callback):
+            def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, opt: Any) -> None:
+                if not grads:
+                    grads.update({n: p.grad.detach().clone() for n, p in module.named_parameters()})
+
+        ref = parity.trainer("auto", out / "ref", devices=1, callbacks=[RefGrads()], **trainer_kwargs)
+        ref.fit(ref_model, shuffled_like_lightning(token_data(), global_batch), token_data(batch_size=global_batch))
+        (out / "ref_metrics.json").write_text(json.dumps({k: float(v) for k, v in ref.callback_metrics.items()}))
+        torch.save({k: v.detach().clone() for k, v in ref_model.state_dict().items()}, out / "ref.pt")
+        torch.save(grads, out / "ref_grads.pt")
+
+    L.seed_everything(0, verbose=False)
+    model = pp_gpt()
+    first = FirstStepGrads()
+    plans, metrics = [], []
+    ckpt = out / "ckpt" / "phase0.ckpt"
+    for i, kwargs in enumerate(phases):
+        strategy = SGDTPStrategy(**kwargs)
+        if case.endswith("_control"):
+            switch_off_dp_sync(strategy)
+        steps = STEPS if len(phases) == 1 else STEPS // 2 * (i + 1)
+        callbacks = ([first] if i == 0 else []) + ([SaveAt(steps, ckpt, out)] if i + 1 < len(phases) else [])
+        run = parity.trainer(
+            strategy, out / f"sgdtp{i}", devices=devices, callbacks=callbacks, max_steps=steps, **trainer_kwargs
+        )
+        per_rank = global_batch // dp_size(kwargs, devices)
+        run.fit(model, token_data(batch_size=per_rank), token_data(batch_size=per_rank), ckpt_path=str(ckpt) if i else None)
+        plans.append(strategy.plan)
+        metrics.append({k: float(v) for k, v in run.callback_metrics.items()})
+        final = gather_full(local_state(strategy, model))
+        first_grads = gather_full(first.grads or {}) if i == 0 else None
+        if i == 0:
+            step_grads = first_grads
+        if i + 1 < len(phases):
+            torch.manual_seed(1)  # the next phase starts from other weights, as a new job would
+            model = pp_gpt()
+
+    every_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, metrics)
+    if run.global_rank == 0:
+        torch.save(final, out / "sgdtp.pt")
+        torch.save(step_grads, out / "grads.pt")
+        info = {"plans": plans, "ckpt": str(ckpt), "metrics": every_rank}
+        (out / "info.json").write_text(json.dumps(info, default=str))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
+    os._exit(0) if os.environ.get("SGDTP_FAST_EXIT") else None
