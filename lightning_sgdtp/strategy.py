@@ -701,6 +701,8 @@ class SGDTPStrategy(ParallelStrategy):
         self._pipe_split = split
         for line in split.describe():
             self._say(line)
+        if split.balance == "cost":
+            self._say("  pipeline_balance='measured': a block's cost is its forward time in ms (the slowest rank's)")
 
     def _prepare_stage(self, stage: torch.nn.Module) -> None:
         """Activation checkpointing per block inside the stage, then compile the stage through the backend."""

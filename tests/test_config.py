@@ -24,7 +24,22 @@ def test_explicit_keywords_win_over_options() -> None:
     ("kwargs", "error", "names"),
     [
         ({"parallelism": "zero3"}, SGDTPConfigError, ["parallelism", "'data'"]),
-        ({"pipeline_chunks": 4}, NotAvailableYetError, ["pipeline_chunks", "not available yet"]),
+        ({"pipeline_chunks": 0}, SGDTPConfigError, ["pipeline_chunks", ">= 1"]),
+        ({"pipeline_stages": 1}, SGDTPConfigError, ["pipeline_stages", ">= 2"]),
+        ({"pipeline_stages": 2.0}, SGDTPConfigError, ["pipeline_stages", "int"]),
+        ({"pipeline_schedule": "gpipe"}, SGDTPConfigError, ["pipeline_schedule", "set pipeline_stages"]),
+        ({"pipeline_stages": 2, "pipeline_schedule": "zero_bubble"}, SGDTPConfigError, ["'1f1b'", "'gpipe'"]),
+        ({"pipeline_stages": 4, "pipeline_chunks": 2}, SGDTPConfigError, ["'1f1b'", "pipeline_chunks >= 4"]),
+        (
+            {"pipeline_stages": 2, "pipeline_chunks": 5, "pipeline_schedule": "interleaved_1f1b"},
+            SGDTPConfigError,
+            ["multiple of", "5"],
+        ),
+        ({"pipeline_stages": 2, "parallelism": "hybrid"}, NotAvailableYetError, ["pipeline x data"]),
+        ({"pipeline_stages": 2, "pipeline_split": ["a", "b"]}, SGDTPConfigError, ["2 names for 2 stages"]),
+        ({"pipeline_stages": 2, "pipeline_split": "model.blocks.1"}, SGDTPConfigError, ["list of module names"]),
+        ({"pipeline_stages": 2, "pipeline_stages_per_rank": 2}, SGDTPConfigError, ["'interleaved_1f1b' only"]),
+        ({"pipeline_stages": 2, "pipeline_balance": "flops"}, SGDTPConfigError, ["'params'", "'measured'"]),
         ({"tensor_parallel_size": 2}, SGDTPConfigError, ["tensor_parallel_size", "parallelism='tensor' or 'hybrid'"]),
         ({"tp_plan": {"a": "colwise"}}, SGDTPConfigError, ["tp_plan", "parallelism='tensor' or 'hybrid'"]),
         ({"parallelism": "hybrid", "tensor_parallel_size": 0}, SGDTPConfigError, ["tensor_parallel_size", "'auto'"]),
@@ -49,7 +64,7 @@ def test_invalid_options_name_the_option_and_the_fix(kwargs: dict, error: type, 
 @pytest.mark.parametrize(
     "options",
     [
-        {"distributed": {"plugin": "sgdtp", "strategy": "data", "pipeline_chunks": 4}},
+        {"distributed": {"plugin": "sgdtp", "strategy": "tensor", "pipeline_chunks": 4}},
         {"distributed": {"plugin": "other"}},
         {"distributed": {"plugin": "sgdtp", "bucket_size": 3}},
         {"mode": "max-autotune"},
@@ -63,3 +78,32 @@ def test_invalid_options_dict(options: dict) -> None:
 def test_tensor_strategy_in_options_dict_is_not_silently_data() -> None:
     s = SGDTPStrategy(options={"distributed": {"plugin": "sgdtp", "strategy": "hybrid", "tensor_parallel_size": 2}})
     assert (s.config.parallelism, s.config.tensor_parallel_size) == ("hybrid", 2)
+
+
+def test_pipeline_options_dict_of_the_design_documents() -> None:
+    s = SGDTPStrategy(options={"distributed": {"plugin": "sgdtp", "strategy": "data", "pipeline_chunks": 4}})
+    c = s.config
+    assert c.pipelined and (c.pipeline_chunks, c.pipeline_stages, c.pipeline_schedule) == (4, None, "1f1b")
+    assert SGDTPConfig(pipeline_stages=2).chunks_for(2) == 4  # default: 2 x stages
+    assert SGDTPConfig(pipeline_stages=2, pipeline_schedule="interleaved_1f1b").chunks_for(2) == 8
+
+
+@pytest.mark.parametrize(
+    ("devices", "kwargs", "names"),
+    [
+        (3, {"pipeline_stages": 2}, ["pipeline_stages=2 must divide the 3 ranks", "[3]"]),
+        (4, {"pipeline_chunks": 2}, ["'1f1b'", "pipeline_chunks >= 4"]),  # auto: 4 stages on one node
+        (
+            2,
+            {"pipeline_stages": 2, "pipeline_schedule": "interleaved_1f1b", "pipeline_split": ["a"]},
+            ["4 stages: give 3"],
+        ),
+    ],
+)
+def test_pipeline_sizes_fail_before_any_process_starts(devices: int, kwargs: dict, names: list[str]) -> None:
+    import lightning.pytorch as L
+
+    with pytest.raises(SGDTPConfigError) as info:
+        L.Trainer(accelerator="cpu", devices=devices, strategy=SGDTPStrategy(**kwargs), logger=False)
+    for name in names:
+        assert name in str(info.value)

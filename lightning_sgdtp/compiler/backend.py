@@ -205,6 +205,12 @@ def sgdtp_backend(
     """
     config = SGDTPConfig.from_options(options)
     compiler = SGDTPCompiler(config, inductor_mode=mode)
+    if config.pipelined:
+        raise SGDTPConfigError(
+            'torch.compile(backend="sgdtp") compiles one graph in one process; pipeline parallelism'
+            " (pipeline_chunks / pipeline_stages) runs stages on several ranks under a schedule. Train with"
+            " Trainer(strategy=SGDTPStrategy(options=...)) and the same options dict, or drop the pipeline options."
+        )
     if config.parallelism == "hybrid":
         raise SGDTPConfigError(
             'torch.compile(backend="sgdtp") with "strategy": "hybrid" cannot know your data-parallel group. Train'

@@ -353,11 +353,12 @@ class PipelineRunner:
                 pipe = pipelining.pipeline(self.module, mb_args=mb_args, mb_kwargs=mb_kwargs or None,
                                            split_spec=self._split_spec())  # fmt: skip
             except Exception as exc:
+                cause = str(exc.__cause__ or exc).strip().splitlines()[0][:300]
                 raise PipelineContractError(
-                    f"torch.export could not trace {type(self.module).__name__}.forward for the pipeline ({exc})."
+                    f"torch.export could not trace {type(self.module).__name__}.forward for the pipeline: {cause}."
                     " The forward must be one graph: no data-dependent Python control flow (if/for on tensor"
-                    " values), no .item() or .tolist(). Make that code shape-only, or name the stages with"
-                    " pipeline_split."
+                    " values), no .item() or .tolist() (see the chained error for the line). Make that code"
+                    " depend on shapes only, or train without pipeline_stages."
                 ) from exc
         if pipe.num_stages != self.num_stages:
             raise PipelineContractError(
@@ -399,8 +400,8 @@ class PipelineRunner:
         )
         if dist.is_initialized():
             dist.all_reduce(costs, op=dist.ReduceOp.MAX)
-        self.split = plan_pipeline_split(self.module, self.num_stages, block_costs=costs.tolist())
-        self.split.balance = "measured"
+        # Milliseconds of forward per block (the plan's "cost"), the slowest rank's.
+        self.split = plan_pipeline_split(self.module, self.num_stages, block_costs=(costs * 1e3).tolist())
         if self.on_split is not None:
             self.on_split(self.split)
 

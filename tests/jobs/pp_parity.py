@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import parity
+from gpt import GPTLightningModule
 from models import pp_gpt, token_data
-from tp_parity import SaveAt, shuffled_like_lightning
+from tp_parity import shuffled_like_lightning
 
 from lightning_sgdtp import SGDTPStrategy
 
@@ -39,14 +40,47 @@ CASES: dict[str, tuple[int, list[dict[str, Any]], dict[str, Any]]] = {
     "pp2_dp2_1f1b": (4, [{**PP2, "pipeline_schedule": "1f1b"}], {"gradient_clip_val": 0.3, **VAL}),
     "options_dict_ckpt_measured": (
         2,
-        [{"options": {"distributed": {"plugin": "sgdtp", "strategy": "data", "pipeline_chunks": 4}},
-          "pipeline_balance": "measured", "activation_checkpointing": True}],  # fmt: skip
+        [
+            {
+                "options": {"distributed": {"plugin": "sgdtp", "strategy": "data", "pipeline_chunks": 4}},
+                "pipeline_balance": "measured",
+                "activation_checkpointing": True,
+            }
+        ],
         {},
     ),
     "resume_pp_to_pp": (2, [PP2, {**PP2, "pipeline_split": ["model.blocks.1"]}], {}),
     "resume_pp_to_dp": (2, [PP2, {}], {}),
     "pp2_dp2_no_dp_sync_control": (4, [PP2], {}),
 }
+
+
+class NoSelfCall(GPTLightningModule):
+    """Breaks the contract: runs its model without calling self(...)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(x)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+class NoLoss(GPTLightningModule):
+    """Breaks the contract on the last stage only: training_step returns nothing (the other stage waits)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch[0])
+
+
+class Untraceable(GPTLightningModule):
+    """Breaks the contract: data-dependent Python control flow in forward."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.sum() > 0:
+            return self.model(idx)
+        return self.model(idx + 1)
+
+
+ERRORS = {"contract_no_self_call": NoSelfCall, "contract_no_loss": NoLoss, "contract_untraceable": Untraceable}
 
 
 def dp_size(kwargs: dict[str, Any], devices: int) -> int:
@@ -79,8 +113,24 @@ class FirstStepGrads(L.Callback):
         if self.grads is None:
             local = {id(p) for p in trainer.strategy._pipeline.local_parameters}
             self.grads = {
-                n: p.grad.detach().clone() for n, p in module.named_parameters() if id(p) in local and p.grad is not None
+                n: p.grad.detach().clone()
+                for n, p in module.named_parameters()
+                if id(p) in local and p.grad is not None
             }
+
+
+class SaveAt(L.Callback):
+    """Save a checkpoint mid-epoch (where ModelCheckpoint does) and the full parameters saved (``saved.pt``)."""
+
+    def __init__(self, step: int, path: Path, out: Path) -> None:
+        self.step, self.path, self.out = step, path, out
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            saved = gather_full(local_state(trainer.strategy, module))
+            if trainer.global_rank == 0:
+                torch.save(saved, self.out / "saved.pt")
 
 
 def switch_off_dp_sync(strategy: SGDTPStrategy) -> None:
@@ -94,7 +144,18 @@ def switch_off_dp_sync(strategy: SGDTPStrategy) -> None:
     strategy._setup_pipeline = setup_then_switch_off
 
 
+def contract_error(case: str, out: Path) -> None:
+    """The broken module trains with the pipeline; the job must fail with the contract's message."""
+    L.seed_everything(0, verbose=False)
+    model = ERRORS[case].from_config(pp_gpt().config)
+    strategy = SGDTPStrategy(**PP2, collective_timeout=20)
+    run = parity.trainer(strategy, out / "sgdtp", devices=2)
+    run.fit(model, token_data(batch_size=BATCH))
+
+
 def main(case: str, out: Path) -> None:
+    if case in ERRORS:
+        return contract_error(case, out)
     devices, phases, trainer_kwargs = CASES[case]
     global_batch = BATCH * dp_size(phases[0], devices)
     if "LOCAL_RANK" not in os.environ:  # the launching process, before any rank starts: the reference
@@ -129,7 +190,9 @@ def main(case: str, out: Path) -> None:
             strategy, out / f"sgdtp{i}", devices=devices, callbacks=callbacks, max_steps=steps, **trainer_kwargs
         )
         per_rank = global_batch // dp_size(kwargs, devices)
-        run.fit(model, token_data(batch_size=per_rank), token_data(batch_size=per_rank), ckpt_path=str(ckpt) if i else None)
+        run.fit(
+            model, token_data(batch_size=per_rank), token_data(batch_size=per_rank), ckpt_path=str(ckpt) if i else None
+        )
         plans.append(strategy.plan)
         metrics.append({k: float(v) for k, v in run.callback_metrics.items()})
         final = gather_full(local_state(strategy, model))
