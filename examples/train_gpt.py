@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gradient_clip_val", type=float, default=1.0)
     p.add_argument("--parallelism", default="data", help="sgdtp only: 'data', 'tensor' or 'hybrid'")
     p.add_argument("--tensor_parallel_size", default=None, help="sgdtp only (tensor/hybrid): an int or 'auto'")
+    p.add_argument("--pipeline_stages", type=int, default=None, help="sgdtp only: ranks per pipeline (>= 2)")
+    p.add_argument("--pipeline_chunks", type=int, default=None, help="sgdtp only: micro-batches per step")
+    p.add_argument("--pipeline_schedule", default=None, help="sgdtp only: '1f1b', 'gpipe' or 'interleaved_1f1b'")
     p.add_argument("--activation_checkpointing", action="store_true", help="sgdtp only: recompute each block")
     p.add_argument("--bucket_cap_mb", type=float, default=None, help="sgdtp only: MiB per fused all-reduce (25)")
     p.add_argument("--default_root_dir", default="runs/train_gpt")
@@ -70,14 +73,16 @@ def build_strategy(args: argparse.Namespace) -> str | Strategy:
         bucket_cap_mb=args.bucket_cap_mb,
         activation_checkpointing=args.activation_checkpointing,
         collective_timeout=args.collective_timeout,
+        pipeline_stages=args.pipeline_stages,
+        pipeline_chunks=args.pipeline_chunks,
+        pipeline_schedule=args.pipeline_schedule,
     )
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with split (DTensor) parameters gathered into full tensors."""
-    from torch.distributed.tensor import DTensor
-
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+def full_state_dict(trainer: L.Trainer, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict: sgdtp gathers split parameters and collects pipeline stages (a collective)."""
+    full = getattr(trainer.strategy, "full_state_dict", None)
+    return full() if full is not None else model.state_dict()
 
 
 @rank_zero_only
@@ -126,7 +131,7 @@ def main(args: argparse.Namespace) -> None:
     print0(f"GPT: {model.model.num_parameters():,} parameters; strategy {args.strategy}")
     trainer.fit(model, datamodule=datamodule, ckpt_path="last" if args.resume else None)
     if args.save_weights:
-        weights = full_state_dict(model)  # a collective when parameters are split (tensor/hybrid): every rank
+        weights = full_state_dict(trainer, model)  # a collective with split parameters or stages: every rank
         if trainer.is_global_zero:
             torch.save(weights, args.save_weights)
     # The last in-training validation may be up to `val_every` batches old: measure the final weights. They are

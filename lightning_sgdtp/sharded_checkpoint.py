@@ -103,11 +103,19 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def load(
-    path: Path, model: nn.Module, optimizers: Sequence[Optimizer], weights_only: bool | None = None
+    path: Path,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    weights_only: bool | None = None,
+    partial_optimizer: bool = False,
 ) -> dict[str, Any]:
-    """Load a sharded folder into ``model`` and ``optimizers`` as they are laid out now; return the rest."""
+    """Load a sharded folder into ``model`` and ``optimizers`` as they are laid out now; return the rest.
+
+    ``partial_optimizer``: an optimizer may hold state for some parameters only (a pipeline rank steps its
+    stages' parameters): load what it holds, do not require the rest."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
@@ -120,7 +128,8 @@ def load(
     for i, optimizer in enumerate(optimizers):
         optim_state = {optimizer_key(i): get_optimizer_state_dict(model, optimizer)}
         dcp.load(optim_state, checkpoint_id=path)
-        set_optimizer_state_dict(model, optimizer, optim_state[optimizer_key(i)])
+        options = StateDictOptions(strict=not partial_optimizer)
+        set_optimizer_state_dict(model, optimizer, optim_state[optimizer_key(i)], options=options)
     return torch.load(path / META, map_location="cpu", weights_only=weights_only)
 
 

@@ -1006,7 +1006,9 @@ class SGDTPStrategy(ParallelStrategy):
             if self._config.verify_artifacts:
                 verify_dir(path, trusted=Path(self._config.trusted_key) if self._config.trusted_key else None)
             with self._guard("load_checkpoint"):
-                rest = sharded.load(path, module, optimizers, weights_only)
+                rest = sharded.load(
+                    path, module, optimizers, weights_only, partial_optimizer=self._pipeline is not None
+                )
             self._states_loaded = True
             return rest
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
@@ -1017,6 +1019,24 @@ class SGDTPStrategy(ParallelStrategy):
         rest = sharded.load_full(checkpoint, module, optimizers if "optimizer_states" in checkpoint else [])
         self._states_loaded = True
         return rest
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The whole model's state dict as plain tensors, on every rank: split (tensor-parallel) parameters
+        gathered, the pipeline's stages collected from the ranks that hold them. A collective: call it on every
+        rank (``torch.save`` it on rank 0)."""
+        from torch.distributed.tensor import DTensor
+
+        module = self.lightning_module
+        assert module is not None
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+        if self._pipeline is None or self._pipe_dims is None:
+            return state
+        local = {k: v.detach().cpu() for k, v in self._pipeline.stage_state_dict(state).items()}
+        parts: list[Any] = [None] * self._pipe_dims.pp
+        with self._guard("full_state_dict"):
+            dist.all_gather_object(parts, local, group=self._pipeline.group)
+        merged = {k: v for part in parts for k, v in part.items()}
+        return {k: merged.get(k, v.detach().cpu()).to(v.device) for k, v in state.items()}
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
