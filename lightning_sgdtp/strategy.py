@@ -763,6 +763,10 @@ class SGDTPStrategy(ParallelStrategy):
                         p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
                         offset += p.numel()
             runner.sum_tied_gradients()
+            if self._preemption is not None:  # SLURM's signal: every rank learns of it at the same step
+                flag = torch.tensor([1.0 if self._preemption.requested else 0.0])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                self._stop_agreed = self._stop_agreed or bool(flag.item())
 
     def _setup_compile_cache(self, module: pl.LightningModule, in_graph: bool) -> None:
         """Key the bundle by what makes compiled artifacts valid; load it if it verifies; lock compiles."""

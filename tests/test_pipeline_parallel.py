@@ -10,6 +10,8 @@ Measured (fp32):
   (pp=2 x dp=2 with the data-parallel all-reduce off) measures 0.97. Tolerance 1e-3;
 - the logged ``train_loss`` (every rank) and ``val_loss`` / ``val_ppl`` (validated through the pipeline) equal
   the reference's to 1e-5.
+- bf16-mixed (autocast around the schedule): first-step gradients 2.6e-3, ``rel`` 0.037 (bf16 rounding turned
+  into lr-sized AdamW steps, as in ``test_tensor_parallel.py``); tolerances 3e-2 / 0.15, loss 1e-2.
 """
 
 from __future__ import annotations
@@ -22,14 +24,19 @@ import pytest
 import torch
 from launch import JOBS, rel_update_diff, run, run_job
 
-GRAD_TOL, REL_TOL = 1e-4, 1e-3
+GRAD_TOL = {"fp32": 1e-4, "bf16": 3e-2}
+REL_TOL = {"fp32": 1e-3, "bf16": 0.15}
+LOSS_TOL = {"fp32": 1e-5, "bf16": 1e-2}
 CASES = {
     "gpipe_2x4": "GPipe, 2 stages x 4 micro-batches, clipping, validation",
     "1f1b_2x4": "1F1B, 2 stages x 4 micro-batches, validation",
     "interleaved_2x4": "interleaved 1F1B, 4 stages (2 per rank) x 4 micro-batches",
+    "1f1b_accumulate_clip": "1F1B, accumulate_grad_batches=2 (8 micro-batches per optimizer step), clipping",
     "pp2_dp2_1f1b": "pp=2 x dp=2 on 4 ranks, 1F1B, clipping, validation",
     "options_dict_ckpt_measured": "the design documents' options dict, measured balance, activation checkpointing",
+    "1f1b_bf16": "1F1B, bf16-mixed (autocast around the schedule)",
 }
+PRECISION = {case: "bf16" if case.endswith("bf16") else "fp32" for case in CASES}
 _RESULTS: dict[str, dict] = {}
 
 
@@ -53,11 +60,11 @@ def test_parity_with_one_process(case: str, tmp_path_factory: pytest.TempPathFac
     assert r["grads"].keys() == r["ref_grads"].keys()  # every parameter got its gradient on some stage
     for name, ref in r["ref_grads"].items():
         err = float((r["grads"][name] - ref).norm() / ref.norm().clamp_min(1e-12))
-        assert err < GRAD_TOL, f"{case}: first-step gradient of {name} differs by {err:.3g} (relative)"
+        assert err < GRAD_TOL[PRECISION[case]], f"{case}: first-step gradient of {name} differs by {err:.3g} (relative)"
     rel = rel_update_diff(r["init"], r["ref"], r["sgdtp"])
-    assert rel < REL_TOL, f"{case}: relative update difference {rel:.3g}"
+    assert rel < REL_TOL[PRECISION[case]], f"{case}: relative update difference {rel:.3g}"
     assert torch.equal(r["sgdtp"]["model.tok_emb.weight"], r["sgdtp"]["model.lm_head.weight"])  # tie kept
-    if "gradient_clip" in json.dumps(r["info"]["plans"]) or case in ("gpipe_2x4", "pp2_dp2_1f1b"):
+    if case in ("gpipe_2x4", "pp2_dp2_1f1b", "1f1b_accumulate_clip"):
         norm = sum(float(g.norm() ** 2) for g in r["ref_grads"].values()) ** 0.5
         assert norm > 0.3 * 2, norm  # clipping (gradient_clip_val=0.3) really acted, on the global norm
 
@@ -74,7 +81,7 @@ def test_every_rank_logs_what_the_reference_logs(case: str, tmp_path_factory: py
     for rank, metrics in enumerate(final):
         assert metrics["train_loss"] == final[rank % dp]["train_loss"], (rank, final)
     mean = sum(final[p]["train_loss"] for p in range(dp)) / dp
-    assert abs(mean - ref["train_loss"]) < 1e-5, (final, ref)
+    assert abs(mean - ref["train_loss"]) < LOSS_TOL[PRECISION[case]], (final, ref)
     if "val_loss" in ref:  # validation ran through the pipeline; sync_dist and a torchmetrics metric: all ranks
         for rank, metrics in enumerate(final):
             assert abs(metrics["val_loss"] - ref["val_loss"]) < 1e-5, (rank, metrics, ref)
@@ -126,7 +133,7 @@ def test_checkpoint_per_stage_resume_and_consolidate(case: str, tmp_path: Path) 
     run_job("pp_parity.py", case, str(tmp_path), timeout=600)
     load = lambda n: torch.load(tmp_path / f"{n}.pt")
     rel = rel_update_diff(load("init"), load("ref"), load("sgdtp"))
-    assert rel < REL_TOL, f"{case}: relative update difference {rel:.3g}"
+    assert rel < REL_TOL["fp32"], f"{case}: relative update difference {rel:.3g}"
     ckpt = Path(json.loads((tmp_path / "info.json").read_text())["ckpt"])
     assert sharded.is_sharded(ckpt) and len(list(ckpt.glob("*.distcp"))) == 2  # one shard file per stage
     merged = torch.load(sharded.consolidate(ckpt, tmp_path / "one.ckpt"), weights_only=False)

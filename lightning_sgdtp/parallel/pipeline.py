@@ -128,6 +128,12 @@ def check_pipeline_contract(module: nn.Module) -> None:
             f"{type(module).__name__} defines no training_step: with pipeline parallelism training_step(batch,"
             " batch_idx) must call self(inputs) once and return the loss computed from its output."
         )
+    if not module.automatic_optimization:
+        raise PipelineContractError(
+            f"{type(module).__name__} uses manual optimization (automatic_optimization=False): with pipeline"
+            " parallelism the schedule runs forward and backward of every micro-batch itself, so training_step cannot"
+            " call manual_backward. Use automatic optimization, or train without pipeline_stages."
+        )
     if type(module).forward is LightningModule.forward:
         raise PipelineContractError(
             f"{type(module).__name__} defines no forward: the pipeline traces forward(inputs) and cuts it into stages;"

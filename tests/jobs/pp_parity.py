@@ -37,6 +37,8 @@ CASES: dict[str, tuple[int, list[dict[str, Any]], dict[str, Any]]] = {
     "gpipe_2x4": (2, [{**PP2, "pipeline_schedule": "gpipe"}], {"gradient_clip_val": 0.3, **VAL}),
     "1f1b_2x4": (2, [{**PP2, "pipeline_schedule": "1f1b"}], VAL),
     "interleaved_2x4": (2, [{**PP2, "pipeline_schedule": "interleaved_1f1b"}], {}),
+    "1f1b_accumulate_clip": (2, [PP2], {"accumulate_grad_batches": 2, "gradient_clip_val": 0.3}),
+    "1f1b_bf16": (2, [PP2], {"precision": "bf16-mixed"}),
     "pp2_dp2_1f1b": (4, [{**PP2, "pipeline_schedule": "1f1b"}], {"gradient_clip_val": 0.3, **VAL}),
     "options_dict_ckpt_measured": (
         2,
