@@ -657,6 +657,12 @@ class SGDTPStrategy(ParallelStrategy):
         """Plan the split (plain data, logged), make the stage compiler and this rank's pipeline runner."""
         module = self.lightning_module
         assert module is not None and self._pipe_dims is not None and self._mesh is not None
+        # The schedule runs backward inside training_step; Lightning zeroes gradients after training_step and
+        # before backward. Its zero_grad is therefore deferred to us: run before the schedule, at the first
+        # micro-step of each accumulation window, as Lightning would have.
+        if "optimizer_zero_grad" not in module.__dict__:
+            self._zero_grad = module.optimizer_zero_grad
+            module.optimizer_zero_grad = _zero_grad_done_by_strategy
         if self._pipeline is not None and self._pipeline.module is module:
             return
         config, dims = self._config, self._pipe_dims
@@ -684,12 +690,6 @@ class SGDTPStrategy(ParallelStrategy):
             on_split=self._on_split,
         )
         self._on_split(split)
-        # The schedule runs backward inside training_step; Lightning zeroes gradients after training_step and
-        # before backward. Its zero_grad is therefore deferred to us: run before the schedule, at the first
-        # micro-step of each accumulation window, as Lightning would have.
-        if "optimizer_zero_grad" not in module.__dict__:
-            self._zero_grad = module.optimizer_zero_grad
-            module.optimizer_zero_grad = _zero_grad_done_by_strategy
         runner, plugin = self._pipeline, self.precision_plugin
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
@@ -742,6 +742,15 @@ class SGDTPStrategy(ParallelStrategy):
             self._say(f"pipeline stages traced and compiled for {traced}")
         replay_logs(self.lightning_module, result.logs, self.root_device)
         return result
+
+    def _broadcast_stage_buffers(self) -> None:
+        """As DDP's broadcast_buffers, per stage: the first pipeline's buffers go to the stage's replicas."""
+        assert self._pipeline is not None and self._mesh is not None
+        buffers = [b for stage in self._pipeline.stage_modules() for b in stage.buffers()]
+        if buffers:
+            group = self._mesh["dp"].get_group()
+            with self._guard("broadcast_buffers"):
+                _sync_params_and_buffers(group, buffers, 250 * 2**20, 0)  # src: rank 0 of the group
 
     def _pipeline_after_backward(self) -> None:
         """At the last micro-step of an optimizer step: tied parameters summed over the pipeline, then what the
@@ -826,6 +835,8 @@ class SGDTPStrategy(ParallelStrategy):
             if batch_idx % trainer.accumulate_grad_batches == 0 and self._zero_grad is not None:
                 for optimizer in self.optimizers:
                     self._zero_grad(trainer.current_epoch, batch_idx, optimizer)
+            if self._config.broadcast_buffers and self.dp_size > 1:
+                self._broadcast_stage_buffers()
             with self.precision_plugin.train_step_context():
                 result = self._pipeline_step("training_step", args, kwargs)
             return torch.tensor(result.loss, device=self.root_device)
@@ -964,6 +975,8 @@ class SGDTPStrategy(ParallelStrategy):
                 message = cache.publish()
                 if message:
                     self._say(message)
+        elif self._pipeline is not None:
+            self._publish_plan()
         return out
 
     # -------------------------------------------------------------------------------------- checkpoints
@@ -1087,10 +1100,11 @@ class SGDTPStrategy(ParallelStrategy):
         for graph in plan["graphs"]:
             if graph["graph_id"] not in self._announced:
                 self._announce(_plan_from_dict(graph), origin="taken from the compile cache")
-        key = json.dumps({k: plan[k] for k in ("graphs", "fallback_params", "grad_sync")}, sort_keys=True, default=str)
+        fields = ("graphs", "fallback_params", "grad_sync", "pipeline")
+        key = json.dumps({k: plan[k] for k in fields}, sort_keys=True, default=str)
         if self.global_rank != 0 or key == self._written_plan:
             return
-        if self._written_plan is None:
+        if self._written_plan is None and self._pipeline is None:
             b = plan["bytes_per_step"]
             self._say(f"bytes communicated per step: {_size(b['in_graph'])} in-graph + {_size(b['fallback'])} fallback")
         self._written_plan = key

@@ -36,6 +36,7 @@ def test_explicit_keywords_win_over_options() -> None:
             ["multiple of", "5"],
         ),
         ({"pipeline_stages": 2, "parallelism": "hybrid"}, NotAvailableYetError, ["pipeline x data"]),
+        ({"pipeline_stages": 2, "compile_cache": "/tmp/c"}, NotAvailableYetError, ["compile_cache", "not available"]),
         ({"pipeline_stages": 2, "pipeline_split": ["a", "b"]}, SGDTPConfigError, ["2 names for 2 stages"]),
         ({"pipeline_stages": 2, "pipeline_split": "model.blocks.1"}, SGDTPConfigError, ["list of module names"]),
         ({"pipeline_stages": 2, "pipeline_stages_per_rank": 2}, SGDTPConfigError, ["'interleaved_1f1b' only"]),

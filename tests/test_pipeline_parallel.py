@@ -35,6 +35,7 @@ CASES = {
     "pp2_dp2_1f1b": "pp=2 x dp=2 on 4 ranks, 1F1B, clipping, validation",
     "options_dict_ckpt_measured": "the design documents' options dict, measured balance, activation checkpointing",
     "1f1b_bf16": "1F1B, bf16-mixed (autocast around the schedule)",
+    "1f1b_short_last_batch": "1F1B, 49 samples: the 7th batch has 1 sample (runs as GPipe, 1 micro-batch)",
 }
 PRECISION = {case: "bf16" if case.endswith("bf16") else "fp32" for case in CASES}
 _RESULTS: dict[str, dict] = {}
@@ -90,8 +91,11 @@ def test_every_rank_logs_what_the_reference_logs(case: str, tmp_path_factory: py
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_plan_says_what_was_decided(case: str, tmp_path_factory: pytest.TempPathFactory) -> None:
-    plan = result(case, tmp_path_factory)["info"]["plans"][0]
+    r = result(case, tmp_path_factory)
+    plan = r["info"]["plans"][0]
     pipeline = plan["pipeline"]
+    written = json.loads((r["out"] / "sgdtp0" / "sgdtp_plan.json").read_text())  # saved with the run plan
+    assert written["pipeline"]["split"] == pipeline["split"]
     split = pipeline["split"]
     assert pipeline["chunks"] == 4
     assert split["stack"] == "model.blocks"
@@ -108,6 +112,8 @@ def test_the_plan_says_what_was_decided(case: str, tmp_path_factory: pytest.Temp
         assert (split["balance"], pipeline["schedule"], pipeline["pp_size"]) == ("cost", "1f1b", 2)
         assert plan["activation_checkpointing"] == ["model.blocks.0", "model.blocks.1"]
         assert plan["graph_breaks"] == {}  # checkpointed blocks stay inside the one compiled stage graph
+    if case == "1f1b_short_last_batch":  # the 1-sample batch: traced again, one micro-batch, GPipe's order
+        assert any("(1, 16)" in t and "ScheduleGPipe" in t for t in pipeline["traced"]), pipeline["traced"]
     if case == "pp2_dp2_1f1b":
         assert (pipeline["pp_size"], pipeline["dp_size"], plan["mesh_layout"]) == (2, 2, [[0, 1], [2, 3]])
         assert plan["grad_sync"].startswith("in-graph")

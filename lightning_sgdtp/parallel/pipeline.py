@@ -390,7 +390,9 @@ class PipelineRunner:
         schedule = self._schedule(stages, chunks)
         built = _Built(stages, schedule, chunks)
         self._built[key] = built
-        self.retraced.append(f"{'train' if key[2] else 'eval'} micro-batch {key[0]} x {chunks}")
+        self.retraced.append(
+            f"{'train' if key[2] else 'eval'} micro-batch {key[0]} x {chunks} ({type(schedule).__name__})"
+        )
         return built
 
     def _measure(self, args: tuple, kwargs: dict, chunks: int) -> None:
@@ -411,6 +413,11 @@ class PipelineRunner:
         if self.on_split is not None:
             self.on_split(self.split)
 
+    def stage_modules(self) -> list[nn.Module]:
+        """This rank's stage modules (of the first traced shape; all shapes share the module's tensors)."""
+        built = next(iter(self._built.values()), None)
+        return [stage.submod for stage in built.stages] if built is not None else []
+
     def stage_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``state_dict`` without the entries only other ranks' stages hold (this rank's copy of them is stale)."""
         if not self.names_per_stage:
@@ -422,7 +429,12 @@ class PipelineRunner:
     def _schedule(self, stages: list[Any], chunks: int) -> Any:
         from torch.distributed import pipelining
 
-        cls = getattr(pipelining, SCHEDULES[self.schedule_name])
+        name = SCHEDULES[self.schedule_name]
+        if check_chunks(self.schedule_name, chunks, self.pp_size, self.num_stages):
+            # A short batch (the last of an epoch) that cannot fill this schedule: all forwards, then all
+            # backwards (the same result; more activations alive for this one batch).
+            name = "ScheduleLoopedBFS" if self.schedule_name == "interleaved_1f1b" else "ScheduleGPipe"
+        cls = getattr(pipelining, name)
         # Gradients are not divided by the micro-batch count at the end (that would also divide what earlier
         # steps of gradient accumulation left): the loss is scaled instead, in `_loss`.
         target = stages if self.schedule_name == "interleaved_1f1b" else stages[0]
@@ -471,8 +483,6 @@ class PipelineRunner:
         args, kwargs = capture_forward_inputs(self.module, hook, batch, batch_idx)
         size = batch_size_of(args, kwargs, hook)
         chunks = chunks_for(size, self.chunks)
-        if self.schedule_name != "gpipe" and check_chunks(self.schedule_name, chunks, self.pp_size, self.num_stages):
-            chunks = 1 if size < self.num_stages else chunks  # a tiny last batch: no overlap, but the right result
         if self.measure and hook == "training_step":
             self._measure(args, kwargs, chunks)
         built = self._build(args, kwargs, chunks)

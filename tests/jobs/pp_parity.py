@@ -39,6 +39,8 @@ CASES: dict[str, tuple[int, list[dict[str, Any]], dict[str, Any]]] = {
     "interleaved_2x4": (2, [{**PP2, "pipeline_schedule": "interleaved_1f1b"}], {}),
     "1f1b_accumulate_clip": (2, [PP2], {"accumulate_grad_batches": 2, "gradient_clip_val": 0.3}),
     "1f1b_bf16": (2, [PP2], {"precision": "bf16-mixed"}),
+    # 49 samples: 6 batches of 8, then one of 1 (one micro-batch: too few for 1F1B, that batch runs as GPipe)
+    "1f1b_short_last_batch": (2, [PP2], {"max_steps": 7, "limit_val_batches": 7, "val_check_interval": 7}),
     "pp2_dp2_1f1b": (4, [{**PP2, "pipeline_schedule": "1f1b"}], {"gradient_clip_val": 0.3, **VAL}),
     "options_dict_ckpt_measured": (
         2,
@@ -155,10 +157,14 @@ def contract_error(case: str, out: Path) -> None:
     run.fit(model, token_data(batch_size=BATCH))
 
 
+SAMPLES = {"1f1b_short_last_batch": 49}
+
+
 def main(case: str, out: Path) -> None:
     if case in ERRORS:
         return contract_error(case, out)
     devices, phases, trainer_kwargs = CASES[case]
+    samples = SAMPLES.get(case, 64)
     global_batch = BATCH * dp_size(phases[0], devices)
     if "LOCAL_RANK" not in os.environ:  # the launching process, before any rank starts: the reference
         L.seed_everything(0, verbose=False)
@@ -172,7 +178,8 @@ def main(case: str, out: Path) -> None:
                     grads.update({n: p.grad.detach().clone() for n, p in module.named_parameters()})
 
         ref = parity.trainer("auto", out / "ref", devices=1, callbacks=[RefGrads()], **trainer_kwargs)
-        ref.fit(ref_model, shuffled_like_lightning(token_data(), global_batch), token_data(batch_size=global_batch))
+        train, val = token_data(samples), token_data(samples, batch_size=global_batch)
+        ref.fit(ref_model, shuffled_like_lightning(train, global_batch), val)
         (out / "ref_metrics.json").write_text(json.dumps({k: float(v) for k, v in ref.callback_metrics.items()}))
         torch.save({k: v.detach().clone() for k, v in ref_model.state_dict().items()}, out / "ref.pt")
         torch.save(grads, out / "ref_grads.pt")
@@ -186,14 +193,17 @@ def main(case: str, out: Path) -> None:
         strategy = SGDTPStrategy(**kwargs)
         if case.endswith("_control"):
             switch_off_dp_sync(strategy)
-        steps = STEPS if len(phases) == 1 else STEPS // 2 * (i + 1)
+        steps = trainer_kwargs.pop("max_steps", STEPS) if len(phases) == 1 else STEPS // 2 * (i + 1)
         callbacks = ([first] if i == 0 else []) + ([SaveAt(steps, ckpt, out)] if i + 1 < len(phases) else [])
         run = parity.trainer(
             strategy, out / f"sgdtp{i}", devices=devices, callbacks=callbacks, max_steps=steps, **trainer_kwargs
         )
         per_rank = global_batch // dp_size(kwargs, devices)
         run.fit(
-            model, token_data(batch_size=per_rank), token_data(batch_size=per_rank), ckpt_path=str(ckpt) if i else None
+            model,
+            token_data(samples, batch_size=per_rank),
+            token_data(samples, batch_size=per_rank),
+            ckpt_path=str(ckpt) if i else None,
         )
         plans.append(strategy.plan)
         metrics.append({k: float(v) for k, v in run.callback_metrics.items()})
