@@ -743,6 +743,12 @@ class SGDTPStrategy(ParallelStrategy):
         replay_logs(self.lightning_module, result.logs, self.root_device)
         return result
 
+    @override
+    def on_train_end(self) -> None:
+        if self._pipeline is not None:
+            with self._guard("share stages"):  # after fit every rank holds the whole trained model, as with DDP
+                self._pipeline.share_stages()
+
     def _broadcast_stage_buffers(self) -> None:
         """As DDP's broadcast_buffers, per stage: the first pipeline's buffers go to the stage's replicas."""
         assert self._pipeline is not None and self._mesh is not None

@@ -65,6 +65,7 @@ def test_parity_with_one_process(case: str, tmp_path_factory: pytest.TempPathFac
     rel = rel_update_diff(r["init"], r["ref"], r["sgdtp"])
     assert rel < REL_TOL[PRECISION[case]], f"{case}: relative update difference {rel:.3g}"
     assert torch.equal(r["sgdtp"]["model.tok_emb.weight"], r["sgdtp"]["model.lm_head.weight"])  # tie kept
+    assert all(r["info"]["whole_on_every_rank"])  # after fit, model.state_dict() is the trained model on every rank
     if case in ("gpipe_2x4", "pp2_dp2_1f1b", "1f1b_accumulate_clip"):
         norm = sum(float(g.norm() ** 2) for g in r["ref_grads"].values()) ** 0.5
         assert norm > 0.3 * 2, norm  # clipping (gradient_clip_val=0.3) really acted, on the global norm

@@ -413,6 +413,20 @@ class PipelineRunner:
         if self.on_split is not None:
             self.on_split(self.split)
 
+    def share_stages(self) -> None:
+        """Give every rank of the pipeline the trained tensors of every stage (each sent by the rank that holds
+        it), so that after ``fit`` the LightningModule is whole on every rank, as with data parallel."""
+        if self.pp_size == 1 or not self.names_per_stage:
+            return
+        state = self.module.state_dict(keep_vars=True)
+        sent: set[str] = set()
+        for stage, names in enumerate(self.names_per_stage):
+            tensors = [state[n].data for n in sorted(names - sent) if n in state]
+            sent |= names
+            if tensors:
+                src = stage % self.pp_size
+                dist._broadcast_coalesced(self.group, tensors, 250 * 2**20, src)
+
     def stage_modules(self) -> list[nn.Module]:
         """This rank's stage modules (of the first traced shape; all shapes share the module's tensors)."""
         built = next(iter(self._built.values()), None)

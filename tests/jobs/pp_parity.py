@@ -208,6 +208,8 @@ def main(case: str, out: Path) -> None:
         plans.append(strategy.plan)
         metrics.append({k: float(v) for k, v in run.callback_metrics.items()})
         final = gather_full(local_state(strategy, model))
+        # after fit the module is whole on every rank (the stages shared), as with data parallel
+        whole = all(torch.equal(v, final[k]) for k, v in model.state_dict().items())
         first_grads = gather_full(first.grads or {}) if i == 0 else None
         if i == 0:
             step_grads = first_grads
@@ -217,10 +219,12 @@ def main(case: str, out: Path) -> None:
 
     every_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, metrics)
+    wholes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(wholes, whole)
     if run.global_rank == 0:
         torch.save(final, out / "sgdtp.pt")
         torch.save(step_grads, out / "grads.pt")
-        info = {"plans": plans, "ckpt": str(ckpt), "metrics": every_rank}
+        info = {"plans": plans, "ckpt": str(ckpt), "metrics": every_rank, "whole_on_every_rank": wholes}
         (out / "info.json").write_text(json.dumps(info, default=str))
 
 
