@@ -104,3 +104,20 @@ def rel_update_diff(init: dict[str, torch.Tensor], a: dict[str, torch.Tensor], b
     num = sum(float((a[k].float() - b[k].float()).norm() ** 2) for k in keys) ** 0.5
     den = sum(float((a[k].float() - init[k].float()).norm() ** 2) for k in keys) ** 0.5
     return num / den
+
+
+PARITY_TENSORS = ("init", "ref", "sgdtp", "ref_grads", "grads")
+
+
+def parity_result(
+    cache: dict[str, dict], script: str, case: str, out: Path, json_files: tuple[str, ...] = ("info",)
+) -> dict:
+    """Run a parity job once per case (``cache`` keeps what it wrote): its JSON files and tensors, by name."""
+    if case not in cache:
+        run_job(script, case, str(out), timeout=600)
+        cache[case] = {
+            "out": out,
+            **{name: json.loads((out / f"{name}.json").read_text()) for name in json_files},
+            **{name: torch.load(out / f"{name}.pt") for name in PARITY_TENSORS},
+        }
+    return cache[case]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import JOBS, rel_update_diff, run, run_job
+from launch import JOBS, parity_result, rel_update_diff, run, run_job
 
 GRAD_TOL = {"fp32": 1e-4, "bf16": 3e-2}
 REL_TOL = {"fp32": 1e-3, "bf16": 0.15}
@@ -44,13 +44,7 @@ _RESULTS: dict[str, dict] = {}
 def result(case: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     if case not in _RESULTS:
         out = tmp_path_factory.mktemp(case)
-        run_job("pp_parity.py", case, str(out), timeout=600)
-        _RESULTS[case] = {
-            "out": out,
-            "info": json.loads((out / "info.json").read_text()),
-            "ref_metrics": json.loads((out / "ref_metrics.json").read_text()),
-            **{name: torch.load(out / f"{name}.pt") for name in ("init", "ref", "sgdtp", "ref_grads", "grads")},
-        }
+        return parity_result(_RESULTS, "pp_parity.py", case, out, ("info", "ref_metrics"))
     return _RESULTS[case]
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import rel_update_diff, run_job
+from launch import parity_result, rel_update_diff
 
 REL_TOL = {"fp32": 1e-2, "bf16": 0.15}
 GRAD_TOL = {"fp32": 1e-4, "bf16": 3e-2}
@@ -43,13 +43,7 @@ _RESULTS: dict[str, dict] = {}
 
 def result(case: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     if case not in _RESULTS:
-        out = tmp_path_factory.mktemp(case)
-        run_job("tp_parity.py", case, str(out), timeout=600)
-        _RESULTS[case] = {
-            "out": out,
-            "info": json.loads((out / "info.json").read_text()),
-            **{name: torch.load(out / f"{name}.pt") for name in ("init", "ref", "sgdtp", "ref_grads", "grads")},
-        }
+        return parity_result(_RESULTS, "tp_parity.py", case, tmp_path_factory.mktemp(case))
     return _RESULTS[case]
 
 
