@@ -410,6 +410,8 @@ class PipelineRunner:
             dist.all_reduce(costs, op=dist.ReduceOp.MAX)
         # Milliseconds of forward per block (the plan's "cost"), the slowest rank's.
         self.split = plan_pipeline_split(self.module, self.num_stages, block_costs=(costs * 1e3).tolist())
+        # Stages traced before (the sanity validation's) were cut by the old split: trace again.
+        self._built, self.names_per_stage, self.local_parameters = {}, [], []
         if self.on_split is not None:
             self.on_split(self.split)
 

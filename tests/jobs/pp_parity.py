@@ -51,7 +51,7 @@ CASES: dict[str, tuple[int, list[dict[str, Any]], dict[str, Any]]] = {
                 "activation_checkpointing": True,
             }
         ],
-        {},
+        {"num_sanity_val_steps": 1, **VAL},  # traced for validation first, then split again by measured times
     ),
     "resume_pp_to_pp": (2, [PP2, {**PP2, "pipeline_split": ["model.blocks.1"]}], {}),
     "resume_pp_to_dp": (2, [PP2, {}], {}),
