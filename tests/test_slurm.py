@@ -148,3 +148,23 @@ def test_hybrid_over_two_nodes_puts_tensor_parallel_inside_each_node(tmp_path: P
     assert "mesh dp=2 x tp=2: tensor-parallel groups [[0, 1], [2, 3]]" in result.stdout
     assert "2 node(s) x 2 cpu devices" in result.stdout
     _assert_bitwise(_weights(ref_dir / "w.pt"), _weights(tmp_path / "w.pt"))
+
+
+def test_pipeline_over_two_nodes_puts_one_stage_on_each_node(tmp_path: Path) -> None:
+    """pipeline_chunks alone on 2 SLURM nodes x 2 tasks: one stage per node (pp=2 across the nodes), data parallel
+    inside each node, and the result is bitwise the same run on one node with devices=4, pipeline_stages=2."""
+    args = [*ARGS, "--max_steps", "8", "--pipeline_chunks", "4"]
+    ref_dir = tmp_path / "ref"
+    ref = run([sys.executable, EXAMPLE, *args, "--pipeline_stages", "2", "--devices", "4", "--default_root_dir",
+               str(ref_dir), "--save_weights", str(ref_dir / "w.pt")], env=job_env())  # fmt: skip
+    assert ref.returncode == 0, ref.stdout[-4000:]
+    cmd = ["srun", "-N2", "--ntasks-per-node=2", "-J", "sgdtp-test", "--kill-on-bad-exit=1", sys.executable, EXAMPLE]
+    cmd += [*args, "--devices", "2", "--num_nodes", "2", "--default_root_dir", str(tmp_path / "slurm")]
+    cmd += ["--save_weights", str(tmp_path / "w.pt")]
+    result = run(cmd, env=_env())
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "4 ranks (2 node(s) x 2)" in result.stdout and "from SLURMEnvironment" in result.stdout
+    assert (
+        "2 pipeline(s) of 2 ranks" in result.stdout and "[[0, 1], [2, 3]]; pipelines run across nodes" in result.stdout
+    )
+    _assert_bitwise(_weights(ref_dir / "w.pt"), _weights(tmp_path / "w.pt"))
