@@ -712,10 +712,9 @@ class SGDTPStrategy(ParallelStrategy):
         assert self._pipe_split is not None and self._compiler is not None
         if self._config.activation_checkpointing:
             blocks = checkpoint_blocks(stage, self._pipe_split.blocks_per_stage)
-            if blocks and self._checkpointed_blocks is None:
-                self._checkpointed_blocks = []
-            if blocks and blocks[0] not in (self._checkpointed_blocks or []):
-                self._checkpointed_blocks = sorted({*(self._checkpointed_blocks or []), *blocks})
+            known = self._checkpointed_blocks or []
+            if blocks and blocks[0] not in known:  # once per stage, not per traced shape
+                self._checkpointed_blocks = sorted({*known, *blocks})
                 self._say(
                     f"activation checkpointing on {len(blocks)} block(s) of a stage ({blocks[0]} .. {blocks[-1]})"
                 )

@@ -131,12 +131,12 @@ def test_devices_not_matching_ntasks_per_node_fails_before_training(tmp_path: Pa
     assert "Initializing distributed" not in result.stdout, "the processes should fail before the rendezvous"
 
 
-def test_hybrid_over_two_nodes_puts_tensor_parallel_inside_each_node(tmp_path: Path) -> None:
-    """dp=2 x tp=2 on 2 SLURM nodes x 2 tasks: each tensor-parallel group is one node, data parallel runs across
-    the nodes, and the result is bitwise the same run launched by Lightning on one node with devices=4."""
-    args = [*ARGS, "--max_steps", "12", "--parallelism", "hybrid", "--tensor_parallel_size", "2"]
+def _two_nodes_bitwise_as_one(tmp_path: Path, args: list[str], one_node: list[str]) -> str:
+    """Run the example on 2 SLURM nodes x 2 tasks and, launched by Lightning, on one node with devices=4 (plus
+    ``one_node``); assert both succeed, SLURM was detected and the final weights are bitwise equal. Returns the
+    SLURM run's output."""
     ref_dir = tmp_path / "ref"
-    ref = run([sys.executable, EXAMPLE, *args, "--devices", "4", "--default_root_dir", str(ref_dir),
+    ref = run([sys.executable, EXAMPLE, *args, *one_node, "--devices", "4", "--default_root_dir", str(ref_dir),
                "--save_weights", str(ref_dir / "w.pt")], env=job_env())  # fmt: skip
     assert ref.returncode == 0, ref.stdout[-4000:]
     cmd = ["srun", "-N2", "--ntasks-per-node=2", "-J", "sgdtp-test", "--kill-on-bad-exit=1", sys.executable, EXAMPLE]
@@ -145,26 +145,22 @@ def test_hybrid_over_two_nodes_puts_tensor_parallel_inside_each_node(tmp_path: P
     result = run(cmd, env=_env())
     assert result.returncode == 0, result.stdout[-4000:]
     assert "4 ranks (2 node(s) x 2)" in result.stdout and "from SLURMEnvironment" in result.stdout
-    assert "mesh dp=2 x tp=2: tensor-parallel groups [[0, 1], [2, 3]]" in result.stdout
-    assert "2 node(s) x 2 cpu devices" in result.stdout
     _assert_bitwise(_weights(ref_dir / "w.pt"), _weights(tmp_path / "w.pt"))
+    return result.stdout
+
+
+def test_hybrid_over_two_nodes_puts_tensor_parallel_inside_each_node(tmp_path: Path) -> None:
+    """dp=2 x tp=2 on 2 SLURM nodes x 2 tasks: each tensor-parallel group is one node, data parallel runs across
+    the nodes, and the result is bitwise the same run launched by Lightning on one node with devices=4."""
+    args = [*ARGS, "--max_steps", "12", "--parallelism", "hybrid", "--tensor_parallel_size", "2"]
+    out = _two_nodes_bitwise_as_one(tmp_path, args, [])
+    assert "mesh dp=2 x tp=2: tensor-parallel groups [[0, 1], [2, 3]]" in out
+    assert "2 node(s) x 2 cpu devices" in out
 
 
 def test_pipeline_over_two_nodes_puts_one_stage_on_each_node(tmp_path: Path) -> None:
     """pipeline_chunks alone on 2 SLURM nodes x 2 tasks: one stage per node (pp=2 across the nodes), data parallel
     inside each node, and the result is bitwise the same run on one node with devices=4, pipeline_stages=2."""
     args = [*ARGS, "--max_steps", "8", "--pipeline_chunks", "4"]
-    ref_dir = tmp_path / "ref"
-    ref = run([sys.executable, EXAMPLE, *args, "--pipeline_stages", "2", "--devices", "4", "--default_root_dir",
-               str(ref_dir), "--save_weights", str(ref_dir / "w.pt")], env=job_env())  # fmt: skip
-    assert ref.returncode == 0, ref.stdout[-4000:]
-    cmd = ["srun", "-N2", "--ntasks-per-node=2", "-J", "sgdtp-test", "--kill-on-bad-exit=1", sys.executable, EXAMPLE]
-    cmd += [*args, "--devices", "2", "--num_nodes", "2", "--default_root_dir", str(tmp_path / "slurm")]
-    cmd += ["--save_weights", str(tmp_path / "w.pt")]
-    result = run(cmd, env=_env())
-    assert result.returncode == 0, result.stdout[-4000:]
-    assert "4 ranks (2 node(s) x 2)" in result.stdout and "from SLURMEnvironment" in result.stdout
-    assert (
-        "2 pipeline(s) of 2 ranks" in result.stdout and "[[0, 1], [2, 3]]; pipelines run across nodes" in result.stdout
-    )
-    _assert_bitwise(_weights(ref_dir / "w.pt"), _weights(tmp_path / "w.pt"))
+    out = _two_nodes_bitwise_as_one(tmp_path, args, ["--pipeline_stages", "2"])
+    assert "2 pipeline(s) of 2 ranks" in out and "[[0, 1], [2, 3]]; pipelines run across nodes" in out
