@@ -1,0 +1,65 @@
+"""How a step is compiled: the one helper the compiled engine and ``sgdtp diagnose`` share, so the two cannot drift.
+
+Logging and metrics are eager bookkeeping. Dynamo would trace into ``self.log`` (one recompile per metric name)
+and into torchmetrics' ``Metric.forward`` (a recompile per step: the update counter is guarded on). Running them
+eagerly costs one clean graph break each and keeps the graphs static.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+from torch import nn
+
+#: The LightningModule methods that run eagerly inside a compiled step (besides every Metric's forward).
+LOGGING_HOOKS = ("log", "log_dict")
+
+
+def bookkeeping_hooks(module: nn.Module, installed: bool = False) -> list[tuple[Any, str]]:
+    """The methods to run eagerly: Lightning's logging and every torchmetrics metric's forward.
+
+    ``installed=False``: those not wrapped yet; ``installed=True``: those we wrapped (instance attributes).
+    """
+    from torchmetrics import Metric
+
+    hooks: list[tuple[Any, str]] = [(module, hook) for hook in LOGGING_HOOKS if hasattr(module, hook)]
+    hooks += [(m, "forward") for m in module.modules() if isinstance(m, Metric)]
+    return [(owner, hook) for owner, hook in hooks if (hook in owner.__dict__) == installed]
+
+
+@torch.compiler.disable
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    """Stands in for ``self.log`` of a LightningModule without a Trainer (Lightning would warn at every call)."""
+
+
+def run_bookkeeping_eagerly(module: nn.Module) -> None:
+    """Wrap the bookkeeping methods of ``module`` in ``torch.compiler.disable`` (instance attributes)."""
+    has_trainer = getattr(module, "_trainer", None) is not None
+    for owner, hook in bookkeeping_hooks(module):
+        logging_without_trainer = owner is module and hook in LOGGING_HOOKS and not has_trainer
+        setattr(owner, hook, _no_log if logging_without_trainer else torch.compiler.disable(getattr(owner, hook)))
+
+
+def restore_bookkeeping(module: nn.Module) -> None:
+    """Undo :func:`run_bookkeeping_eagerly`."""
+    for owner, hook in bookkeeping_hooks(module, installed=True):
+        delattr(owner, hook)
+
+
+@contextlib.contextmanager
+def bookkeeping_eagerly(module: nn.Module) -> Generator[None, None, None]:
+    """:func:`run_bookkeeping_eagerly` for the duration (what ``sgdtp diagnose`` runs under)."""
+    run_bookkeeping_eagerly(module)
+    try:
+        yield
+    finally:
+        restore_bookkeeping(module)
+
+
+def compile_step(fn: Callable[..., Any], backend: Any) -> Callable[..., Any]:
+    """The step as the strategy compiles it: the whole callable (``training_step``, a stage's forward) through
+    ``backend`` (an :class:`~lightning_sgdtp.compiler.backend.SGDTPCompiler`, or a name or callable in diagnose)."""
+    return torch.compile(fn, backend=backend)
