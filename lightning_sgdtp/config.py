@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 PARALLELISMS = ("data", "tensor", "hybrid")
-AVAILABLE_PARALLELISMS = ("data", "tensor", "hybrid")
 TP_STYLES = ("colwise", "rowwise", "colwise_gather", "replicate")
 GRAD_COMM_DTYPES = {"fp32": None, "float32": None, "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
@@ -108,11 +107,6 @@ class SGDTPConfig:
             raise SGDTPConfigError(
                 f"parallelism={self.parallelism!r} is not known. Use one of {PARALLELISMS}, for example"
                 " SGDTPStrategy(parallelism='data')."
-            )
-        if self.parallelism not in AVAILABLE_PARALLELISMS:
-            raise NotAvailableYetError(
-                f"parallelism={self.parallelism!r} is not available yet in this release of lightning-sgdtp"
-                " (only 'data' is). Use parallelism='data' for now."
             )
         self._check_pipeline()
         self._check_tensor_parallel()
@@ -219,9 +213,9 @@ class SGDTPConfig:
             if isinstance(per_rank, bool) or not isinstance(per_rank, int) or per_rank < 2:
                 raise SGDTPConfigError(f"pipeline_stages_per_rank={per_rank!r} must be an int >= 2.")
         if stages is not None:
-            self._check_pipeline_sizes(stages)
+            self.check_pipeline_sizes(stages)
 
-    def _check_pipeline_sizes(self, ranks: int) -> None:
+    def check_pipeline_sizes(self, ranks: int) -> None:
         """What depends on the number of ranks per pipeline (known here, or once the world size is)."""
         from lightning_sgdtp.parallel.pipeline import check_chunks, stages_per_rank
 
@@ -231,16 +225,18 @@ class SGDTPConfig:
                 f"pipeline_split has {len(self.pipeline_split)} names for {stages} stages: give {stages - 1}, the"
                 " block where each stage after the first starts."
             )
-        problem = check_chunks(self.pipeline_schedule, self.chunks_for(ranks), ranks, stages)
+        problem = check_chunks(self.pipeline_schedule, self.pipeline_micro_batches(ranks), ranks, stages)
         if problem:
             raise SGDTPConfigError(problem)
 
-    def chunks_for(self, ranks: int) -> int:
-        """``pipeline_chunks``, or its default for ``ranks`` ranks per pipeline."""
-        per_rank = 1
-        if self.pipeline_schedule == "interleaved_1f1b":
-            per_rank = self.pipeline_stages_per_rank or 2
-        return self.pipeline_chunks if self.pipeline_chunks is not None else 2 * ranks * per_rank
+    def pipeline_micro_batches(self, ranks: int) -> int:
+        """Micro-batches per step: ``pipeline_chunks``, or its default (two per stage) for ``ranks`` ranks per
+        pipeline."""
+        from lightning_sgdtp.parallel.pipeline import stages_per_rank
+
+        if self.pipeline_chunks is not None:
+            return self.pipeline_chunks
+        return 2 * ranks * stages_per_rank(self.pipeline_schedule, self.pipeline_stages_per_rank)
 
     def _check_tensor_parallel(self) -> None:
         size, plan = self.tensor_parallel_size, self.tp_plan

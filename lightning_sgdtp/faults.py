@@ -16,6 +16,7 @@ the job's own c10d ``TCPStore`` (the rendezvous store):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,6 +24,8 @@ import socket
 import sys
 import threading
 import time
+import uuid
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -271,3 +274,55 @@ def _describe(p: PeerState) -> str:
 def _first_line(exc: BaseException) -> str:
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+class FaultGuard:
+    """The strategy's side of fault handling: start the heartbeat once the process group exists, name the phase
+    of every collective, and turn a failed collective into an error that names the lost rank.
+
+    ``step`` tells the heartbeat which optimizer step the rank is in (Lightning's ``global_step``)."""
+
+    def __init__(self, collective_timeout: float, step: Callable[[], int] = lambda: -1) -> None:
+        self.collective_timeout = collective_timeout
+        self.step = step
+        self.liveness: Liveness | None = None
+
+    def start(self, host: str, port: int, rank: int, world_size: int) -> None:
+        """Start the heartbeat (a collective: every rank calls it). One key per job run: heartbeats of an earlier
+        attempt (torchrun restarts reuse the store) never count."""
+        if world_size < 2 or self.liveness is not None:
+            return
+        key = [uuid.uuid4().hex]
+        dist.broadcast_object_list(key, src=0)
+        self.liveness = Liveness(host, port, rank, world_size, key[0], self.collective_timeout)
+        self.liveness.start()
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Generator[None, None, None]:
+        """Name the phase for the heartbeat; a failed collective inside it raises :class:`RankLostError`."""
+        live = self.liveness
+        if live is None:
+            yield
+            return
+        live.phase, live.step = f"in {phase}", self.step()
+        try:
+            yield
+        except Exception as exc:
+            if isinstance(exc, RankLostError) or not is_distributed_error(exc):
+                raise
+            lost = live.diagnose(exc)
+            if lost is None:
+                raise
+            live.report(lost, primary=False)
+            raise lost from exc
+        live.phase = f"after {phase}"
+
+    def report(self, exc: BaseException) -> None:
+        """Tell the peers this rank failed (they end within seconds, naming it)."""
+        if self.liveness is not None:
+            self.liveness.report(exc, primary=not isinstance(exc, RankLostError))
+
+    def close(self) -> None:
+        if self.liveness is not None:
+            self.liveness.close()
+            self.liveness = None

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_sgdtp.comm import all_reduce_flat
 from lightning_sgdtp.parallel.tensor import local_shard
 
 COMPILED_NODE = "CompiledFunctionBackward"
@@ -131,7 +132,13 @@ class GradLedger:
             flags[self.index[pid]] = 1
         return flags
 
-    def agree(self, record: BackwardRecord, everything: bool = False, stop: bool = False) -> BackwardRecord:
+    def agree(
+        self,
+        record: BackwardRecord,
+        everything: bool = False,
+        stop: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> BackwardRecord:
         """Before backward: make every rank agree on what the fallback will send, and check that every rank
         is about to run the same in-graph collectives. One small all-reduce of three bitmaps (MAX).
 
@@ -139,6 +146,8 @@ class GradLedger:
         fallback sends every gradient (those accumulated so far and those this backward will produce).
         ``stop``: this rank wants the job to stop (a preemption signal); the result's ``stop`` is the OR over
         ranks, carried by the same all-reduce, so the ranks agree on it at no extra cost.
+        ``group``: the ranks that agree (default: every rank, so that a stop request reaches all of them; a
+        pipeline stage agrees with its data-parallel replicas only, which hold the same parameters).
         """
         if everything:
             accumulated = {id(p) for _, p in self.params if p.grad is not None}
@@ -147,9 +156,8 @@ class GradLedger:
             local, graph = record.eager, record.graph
         eager_flags, graph_flags = self._flags(local), self._flags(graph)
         both = torch.cat([eager_flags, graph_flags, -graph_flags, torch.tensor([int(stop)], dtype=torch.int32)])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # Over every rank, not only the data-parallel group: a stop request must reach all of them.
-            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         n = len(self.params)
         union, graph_max, graph_min = both[:n], both[n : 2 * n], -both[2 * n : 3 * n]
         differ = (graph_max != graph_min).nonzero().flatten().tolist()
@@ -188,33 +196,10 @@ class GradLedger:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         # A split parameter (DTensor) is averaged shard by shard: its local part, over the data-parallel group.
-        grads = {id(p): local_shard(p.grad) for p in params}
-        buckets: list[list[torch.nn.Parameter]] = []
-        size = 0
-        for p in params:
-            g = grads[id(p)]
-            nbytes = g.numel() * g.element_size()
-            if not buckets or size + nbytes > self.cap_bytes or g.dtype != grads[id(buckets[-1][0])].dtype:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += nbytes
-        world = self.world_size
-        inflight = []
-        for bucket in buckets:  # issue all, then wait: buckets travel back to back
-            flat = torch.cat([grads[id(p)].reshape(-1) for p in bucket]).div_(world)
-            wire = flat.to(self.wire_dtype) if self.wire_dtype is not None else flat
-            self._fallback_bytes += wire.numel() * wire.element_size()
-            inflight.append((bucket, flat, wire, dist.all_reduce(wire, group=self.group, async_op=True)))
-        for bucket, flat, wire, work in inflight:
-            work.wait()
-            if wire is not flat:
-                flat.copy_(wire)
-            offset = 0
-            for p in bucket:
-                g = grads[id(p)]
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        grads = [local_shard(p.grad) for p in params]
+        self._fallback_bytes += all_reduce_flat(
+            grads, self.group, divide_by=self.world_size, cap_bytes=self.cap_bytes, wire_dtype=self.wire_dtype
+        )
 
     def end_step(self) -> dict[str, list[str]]:
         """Close the optimizer step: record how each parameter was synced, reset."""

@@ -74,3 +74,57 @@ def requeue_slurm_job(timeout: float = 60.0) -> tuple[bool, str]:
     if result.returncode != 0:
         return False, f"scontrol requeue {job} failed (rc={result.returncode}): {result.stderr.strip()}"
     return True, f"job {job} requeued"
+
+
+class PreemptionCoordinator:
+    """The ranks' agreement on a preemption signal, and what they do at the end of the agreed step.
+
+    The flag travels in an all-reduce that runs anyway (the ledger's agreement before backward,
+    :meth:`agree`); where none runs (the pipelined step), :meth:`agree_over_world` runs a small one.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signal = PreemptionSignal(signum)
+        self.signal.install()  # before Lightning's signal connector runs: it sees a handler and adds none of its own
+        #: Every rank has learned that some rank got the signal: stop at the end of this step.
+        self.agreed = False
+
+    @property
+    def signum(self) -> int:
+        return self.signal.signum
+
+    @property
+    def requested(self) -> bool:
+        """This rank got the signal (the others may not know yet)."""
+        return self.signal.requested
+
+    def agree(self, any_rank_asked: bool) -> None:
+        self.agreed = self.agreed or any_rank_asked
+
+    def agree_over_world(self) -> None:
+        """One MAX all-reduce of this rank's flag over every rank (a collective)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self.requested else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.agree(bool(flag.item()))
+
+    def preempt(self, trainer: Any, broadcast: Any, rank: int, say: Any) -> None:
+        """At the end of the agreed step: save the preemption checkpoint (every rank), requeue (rank 0), stop."""
+        self.agreed = False
+        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        path = broadcast(path)  # rank 0's name, in case the ranks see the folder differently
+        trainer.save_checkpoint(path)
+        done, what = requeue_slurm_job() if rank == 0 else (False, "")
+        done, what = broadcast((done, what))
+        if not done:
+            say(f"preemption signal: checkpoint saved to {path}, but {what}; training goes on")
+            self.signal.requested = False
+            return
+        message = f"sgdtp: preempted at step {trainer.global_step}: checkpoint saved to {path}; {what}; stopping"
+        say(message.removeprefix("sgdtp: "))
+        raise Preempted(message)
+
+    def close(self) -> None:
+        self.signal.uninstall()

@@ -68,3 +68,16 @@ def init_process_group(
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
     )
+
+
+def check_world_size(launcher: str, started: int, devices: int, num_nodes: int) -> None:
+    """The launcher started as many processes as ``Trainer(devices, num_nodes)`` asks for, or say how to fix it."""
+    from lightning_sgdtp.config import SGDTPConfigError
+
+    expected = devices * num_nodes
+    if started != expected:
+        raise SGDTPConfigError(
+            f"the launcher ({launcher}) started {started} processes, but Trainer(devices={devices},"
+            f" num_nodes={num_nodes}) asks for {expected}. Make devices x num_nodes equal the launcher's total tasks"
+            " (SLURM: --nodes x --ntasks-per-node; torchrun: --nnodes x --nproc-per-node)."
+        )

@@ -63,3 +63,23 @@ def compile_step(fn: Callable[..., Any], backend: Any) -> Callable[..., Any]:
     """The step as the strategy compiles it: the whole callable (``training_step``, a stage's forward) through
     ``backend`` (an :class:`~lightning_sgdtp.compiler.backend.SGDTPCompiler`, or a name or callable in diagnose)."""
     return torch.compile(fn, backend=backend)
+
+
+def check_not_compiled(module: nn.Module) -> None:
+    """Refuse a module the user compiled already: the strategy compiles the step itself, with its own backend."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from lightning_sgdtp.config import SGDTPConfigError
+
+    if getattr(module, "_compiler_ctx", None) is not None or isinstance(module, OptimizedModule):
+        raise SGDTPConfigError(
+            "trainer.fit() got a torch.compile()d LightningModule. The sgdtp strategy compiles the training step"
+            " itself (with its own backend, which puts gradient communication in the graph): pass the plain"
+            " LightningModule, i.e. drop the torch.compile(...) call."
+        )
+    compiled = [name for name, m in module.named_modules() if isinstance(m, OptimizedModule)]
+    if compiled:
+        raise SGDTPConfigError(
+            f"submodule(s) {compiled[:5]} of {type(module).__name__} are torch.compile()d. The sgdtp strategy"
+            " compiles the whole training step itself; remove the torch.compile(...) call(s) from your model."
+        )

@@ -35,36 +35,23 @@ def no_block_stack_message(module: nn.Module) -> str:
     )
 
 
-def apply_activation_checkpointing(module: nn.Module) -> list[str]:
-    """Wrap every block of the block stack with a non-reentrant checkpoint. Returns the wrapped names.
+def block_names(module: nn.Module) -> list[str]:
+    """The qualified names of the blocks of the block stack (what activation checkpointing wraps).
 
     Raises a ValueError that says what to provide when the model has no recognizable block stack.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        checkpoint_wrapper,
-    )
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        apply_activation_checkpointing as torch_apply,
-    )
-
     found = find_block_stack(module)
     if found is None:
         raise ValueError(no_block_stack_message(module))
     stack_name, stack = found
-    blocks = {id(b) for b in stack.children()}
-    torch_apply(
-        module,
-        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda m: id(m) in blocks,
-    )
     prefix = f"{stack_name}." if stack_name else ""
-    return [f"{prefix}{i}" for i in range(len(blocks))]
+    return [f"{prefix}{name}" for name, _ in stack.named_children()]
 
 
 def checkpoint_blocks(module: nn.Module, blocks_per_stage: list[list[str]]) -> list[str]:
-    """Wrap, inside ``module`` (a pipeline stage), each block named in ``blocks_per_stage`` that it holds with a
-    non-reentrant checkpoint; the stage is compiled afterwards, so each stays one graph. Returns their names."""
+    """Wrap, inside ``module`` (the LightningModule, or a pipeline stage), each block named in ``blocks_per_stage``
+    that it holds with a non-reentrant checkpoint; the part is compiled afterwards, so each stays one graph.
+    Returns their names."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
     wanted = {b for stage in blocks_per_stage for b in stage}

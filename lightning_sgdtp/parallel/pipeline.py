@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_sgdtp.comm import all_reduce_flat
 from lightning_sgdtp.parallel.pipeline_split import PipelineSplit
 
 #: ``pipeline_schedule`` values and torch's schedule classes.
@@ -74,7 +75,7 @@ def check_chunks(schedule: str, chunks: int, pp: int, stages: int) -> str | None
     return None
 
 
-def chunks_for(batch_size: int, chunks: int) -> int:
+def micro_batch_count(batch_size: int, chunks: int) -> int:
     """Micro-batches for a batch: ``chunks``, or for a batch it does not divide (the last of an epoch) the
     largest count <= ``chunks`` that divides it, so every micro-batch has the same shape."""
     return max(c for c in range(1, min(chunks, batch_size) + 1) if batch_size % c == 0)
@@ -498,7 +499,7 @@ class PipelineRunner:
         broadcast from the last stage, so every rank of the pipeline returns the same result."""
         args, kwargs = capture_forward_inputs(self.module, hook, batch, batch_idx)
         size = batch_size_of(args, kwargs, hook)
-        chunks = chunks_for(size, self.chunks)
+        chunks = micro_batch_count(size, self.chunks)
         if self.measure and hook == "training_step":
             self._measure(args, kwargs, chunks)
         built = self._build(args, kwargs, chunks)
@@ -530,22 +531,13 @@ class PipelineRunner:
     def sum_tied_gradients(self) -> None:
         """A parameter held by two stages got a part of its gradient on each: sum the parts over the pipeline
         group (ranks without it add zeros), so every copy takes the same optimizer step."""
-        params = self.tied
-        if not params or self.pp_size == 1:
+        if not self.tied or self.pp_size == 1:
             return
         local = {id(p) for p in self.local_parameters}
-        flat = torch.cat(
-            [(p.grad if id(p) in local and p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        )
-        dist.all_reduce(flat, group=self.group)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            if id(p) in local:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
+        for p in self.tied:
+            if id(p) in local and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        all_reduce_flat([p.grad if id(p) in local else torch.zeros_like(p) for p in self.tied], self.group)
 
 
 def _first_chunk(tree: Any, chunks: int) -> Any:

@@ -1,0 +1,55 @@
+"""One flatten / all-reduce / copy-back helper for every eager gradient collective.
+
+The ledger's fallback (gradients no compiled graph averaged), the pipeline's tied-weight sums and the data
+parallel sync of a stage run eagerly all do the same thing: many small tensors, one process group. They are
+flattened into buckets by the same rule as the in-graph pass (:func:`~lightning_sgdtp.compiler.buckets.plan_buckets`:
+production order, at most ``cap_bytes``, one dtype per bucket), every bucket's all-reduce is issued before the
+first wait (buckets travel back to back), and the results are copied back into the tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sgdtp.compiler.buckets import GradSlot, plan_buckets
+
+DEFAULT_CAP_BYTES = 25 * 2**20
+
+
+def all_reduce_flat(
+    tensors: Sequence[Tensor],
+    group: dist.ProcessGroup | None = None,
+    *,
+    divide_by: int = 1,
+    cap_bytes: int = DEFAULT_CAP_BYTES,
+    wire_dtype: torch.dtype | None = None,
+) -> int:
+    """Sum ``tensors`` over ``group`` in place (divided by ``divide_by`` first: ``divide_by=world`` averages).
+
+    ``wire_dtype`` (e.g. ``torch.bfloat16``) is the dtype on the wire; None keeps each tensor's own. Returns the
+    bytes sent on the wire.
+    """
+    slots = [GradSlot(str(i), t.numel(), str(t.dtype), t.element_size()) for i, t in enumerate(tensors)]
+    inflight = []
+    sent = 0
+    for members in plan_buckets(slots, cap_bytes) if slots else []:
+        parts = [tensors[i] for i in members]
+        flat = torch.cat([t.reshape(-1) for t in parts])
+        if divide_by != 1:
+            flat.div_(divide_by)
+        wire = flat.to(wire_dtype) if wire_dtype is not None else flat
+        sent += wire.numel() * wire.element_size()
+        inflight.append((parts, flat, wire, dist.all_reduce(wire, group=group, async_op=True)))
+    for parts, flat, wire, work in inflight:
+        work.wait()
+        if wire is not flat:
+            flat.copy_(wire)
+        offset = 0
+        for t in parts:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+    return sent

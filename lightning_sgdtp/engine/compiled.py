@@ -1,0 +1,286 @@
+"""The compiled engine: the LightningModule's ``training_step`` compiled whole (data, tensor and hybrid parallel).
+
+At setup (:meth:`CompiledStep.parallelize`, then :meth:`CompiledStep.setup_training`), in this order:
+
+1. the tensor-parallel plan (automatic, or ``tp_plan``) applied over the mesh's ``tp`` dimension (any trainer
+   function: validation and test run on the split module too);
+2. activation checkpointing of each block, before compile (fitting only);
+3. bookkeeping (``self.log``, torchmetrics' ``Metric.forward``) set to run eagerly;
+4. the ``"sgdtp"`` backend over the data-parallel group and the :class:`~lightning_sgdtp.grad_sync.GradSync`
+   that completes it; the compile cache, when asked for.
+
+Each step then calls the compiled ``training_step``: Dynamo captures it, the backend puts the bucketed gradient
+all-reduces into its backward graph, and Lightning's backward call runs through :meth:`CompiledStep.backward`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.utils import _sync_params_and_buffers
+
+from lightning_sgdtp import compile_cache
+from lightning_sgdtp.compiler.backend import SGDTPCompiler
+from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.engine.prepare import PartPreparation, is_tensor_parallel, prepare_part
+from lightning_sgdtp.engine.step_compile import compile_step, restore_bookkeeping, run_bookkeeping_eagerly
+from lightning_sgdtp.faults import FaultGuard
+from lightning_sgdtp.grad_sync import GradSync
+from lightning_sgdtp.layout import ParallelLayout
+from lightning_sgdtp.parallel.checkpointing import block_names
+from lightning_sgdtp.parallel.clipping import clip_grad_norm_
+from lightning_sgdtp.parallel.tensor import TensorPlan, TensorPlanError, auto_plan, resolve_plan
+from lightning_sgdtp.preemption import PreemptionCoordinator
+from lightning_sgdtp.report import PlanReport
+
+BROADCAST_BUCKET_BYTES = 250 * 2**20
+
+
+class CompiledStep:
+    """Runs the LightningModule's steps compiled through the ``"sgdtp"`` backend.
+
+    Args:
+        module: the LightningModule.
+        config: the options.
+        layout: pp x dp x tp sizes and the rank grid.
+        mesh: the 2-D ``DeviceMesh`` (``"dp"``, ``"tp"``), or None for data parallel alone.
+        device: this rank's device.
+        report: where decisions are logged and graphs announced.
+        guard: names the phase of each collective (faults).
+        preemption: SLURM's preemption agreement, or None.
+        process_group_backend: the backend's name (part of the compile cache's key).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: SGDTPConfig,
+        layout: ParallelLayout,
+        mesh: Any | None,
+        device: torch.device,
+        report: PlanReport,
+        guard: FaultGuard,
+        preemption: PreemptionCoordinator | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        self.module, self.config, self.layout, self.mesh, self.device = module, config, layout, mesh, device
+        self.report, self.guard, self.preemption = report, guard, preemption
+        self.process_group_backend = process_group_backend
+        self.compiler: SGDTPCompiler | None = None
+        self.grad_sync: GradSync | None = None
+        self.tensor_plan: TensorPlan | None = None
+        self.checkpointed: list[str] = []
+        self.cache: compile_cache.CompileCache | None = None
+        self._steps: dict[str, Callable] = {}
+        self._compiled_for: tuple[int, bool] | None = None
+        self._cache_published = False
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["dp"].get_group() if self.mesh is not None else None
+
+    # ------------------------------------------------------------------------------------------- setup
+    def parallelize(self) -> Callable[[list[Tensor], float], None] | None:
+        """Tensor parallel (once per module). Returns the clipping function by the norm over every shard (None
+        without tensor parallel: Lightning's own clipping is right)."""
+        if self.mesh is None:
+            return None
+        if not is_tensor_parallel(self.module):  # fit, then validate/test on the same module: split once
+            self.tensor_plan = self._tensor_plan()
+            prepare_part(self.module, PartPreparation(tensor_plan=self.tensor_plan, tp_mesh=self.mesh["tp"]))
+            for line in self.tensor_plan.describe():
+                self.report.say(line)
+        return lambda params, max_norm: clip_grad_norm_(params, max_norm)
+
+    def _tensor_plan(self) -> TensorPlan:
+        module, config, tp = self.module, self.config, self.layout.tp
+        # Sequence parallel by default where its collectives are cheap: NCCL's reduce-scatter; gloo's is an all-reduce.
+        sequence = config.sequence_parallel if config.sequence_parallel is not None else self.device.type == "cuda"
+        try:
+            plan = resolve_plan(module, config.tp_plan, tp) if config.tp_plan else auto_plan(module, tp, sequence)
+        except TensorPlanError as exc:
+            raise SGDTPConfigError(str(exc)) from exc
+        if config.sequence_parallel and not plan.sequence_blocks:
+            raise SGDTPConfigError(
+                f"sequence_parallel=True, but for {type(module).__name__} sequence parallel is"
+                f" {plan.sequence_reason}. Remove sequence_parallel=True (tensor parallel alone is still applied)."
+            )
+        if config.sequence_parallel is None and not config.tp_plan:
+            why = plan.sequence_reason or "off"
+            plan.sequence_reason = f"{why} (sequence_parallel=None: on with CUDA devices, off on CPU)"
+        return plan
+
+    def setup_training(self, accumulate: int) -> None:
+        """Activation checkpointing, eager bookkeeping, the backend and its gradient sync, the compile cache."""
+        module, config, say = self.module, self.config, self.report.say
+        if config.activation_checkpointing and not self.checkpointed:
+            self.checkpointed = prepare_part(module, PartPreparation(checkpoint=block_names(module)))
+            say(
+                f"activation checkpointing on {len(self.checkpointed)} blocks"
+                f" ({self.checkpointed[0]} .. {self.checkpointed[-1]}), applied before compile"
+            )
+        run_bookkeeping_eagerly(module)
+        in_graph = accumulate == 1
+        # A new compiler (a new backend object, so Dynamo compiles afresh) for a new module or a new sync mode:
+        # graphs compiled for another module or without collectives must never be reused.
+        key = (id(module), in_graph)
+        if self.compiler is None or self._compiled_for != key:
+            self.close()
+            self._compiled_for = key
+            names = {id(p): n for n, p in module.named_parameters()}
+            self.compiler = SGDTPCompiler(config, group=self.dp_group, param_names=names, on_graph=self._on_graph)
+            self.grad_sync = GradSync(
+                module.named_parameters(), self.compiler, self.dp_group, config, in_graph, say, self.preemption
+            )
+            self.report.count_breaks_from_now()
+        if config.compile_cache is not None:
+            self._setup_compile_cache(in_graph)
+        self._say_sync(accumulate)
+
+    def _say_sync(self, accumulate: int) -> None:
+        say, layout, config = self.report.say, self.layout, self.config
+        if layout.world_size == 1:
+            say("one process: nothing to communicate; the step is compiled without collectives")
+        elif layout.dp == 1:
+            say("data-parallel group of 1: no gradient all-reduce; tensor-parallel collectives are in the graphs")
+        elif accumulate == 1:
+            say(
+                f"gradient sync inside the compiled backward: buckets of <= {config.bucket_cap_mb} MiB,"
+                f" {'overlapped with backward compute' if config.overlap else 'no overlap scheduling'}"
+                + (f", {config.grad_comm_dtype} on the wire (lossy)" if config.grad_comm_dtype else "")
+            )
+        else:
+            say(
+                f"accumulate_grad_batches={accumulate}: graphs compiled without collectives; one bucketed sync"
+                " after the last micro-batch of each optimizer step (none on the others)"
+            )
+
+    def _setup_compile_cache(self, in_graph: bool) -> None:
+        """Key the bundle by what makes compiled artifacts valid; load it if it verifies; lock compiles."""
+        assert self.compiler is not None and self.config.compile_cache is not None
+        layout = self.layout
+        fields = compile_cache.key_fields(
+            self.module,
+            self.config,
+            in_graph_sync=in_graph,
+            device=self.device,
+            world_size=layout.world_size,
+            num_nodes=layout.num_nodes,
+            devices_per_node=layout.devices_per_node,
+            rank_grid=layout.grid,
+            process_group_backend=self.process_group_backend,
+            tensor_parallel_plan=self.tensor_plan.to_dict() if self.tensor_plan is not None else None,
+        )
+        cache = compile_cache.CompileCache(
+            Path(self.config.compile_cache), fields, self.config.trusted_key, self.config.signing_key
+        )
+        self.report.say(cache.prepare())
+        self.cache = cache
+        self.compiler.compile_lock = cache.lock
+        self.compiler.aot_cache = True
+
+    def _on_graph(self, graph: Any) -> None:
+        if self.cache is not None:
+            self.cache.record_graph(graph.to_dict())
+        self.report.announce(graph)
+
+    # ------------------------------------------------------------------------------------------- steps
+    def implicit_replication(self) -> contextlib.AbstractContextManager:
+        """With split parameters, plain tensors met in the model (inputs, buffers, masks, rotary tables) count as
+        replicated: they are the same on every rank of a tensor-parallel group (DTensor's implicit replication)."""
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        return implicit_replication()
+
+    def training_step(self, args: tuple, kwargs: dict, trainer: Any, optimizers: list) -> Any:
+        """The compiled ``training_step`` (``trainer``, ``optimizers``: what the pipelined engine needs)."""
+        with self.guard("training_step"):
+            if self.config.broadcast_buffers:
+                self._broadcast_buffers()
+            with self.implicit_replication():
+                return self._compiled("training_step")(*args, **kwargs)
+
+    def eval_step(
+        self, hook: str, args: tuple, kwargs: dict, default: Callable[[], Any], context: Callable[[], Any]
+    ) -> Any:
+        """Validation, test and predict run Lightning's own step (``default``), uncompiled, on the split module."""
+        with self.implicit_replication():
+            return default()
+
+    def _compiled(self, hook: str) -> Callable:
+        step = self._steps.get(hook)
+        if step is None:
+            step = self._steps[hook] = compile_step(getattr(self.module, hook), self.compiler)
+        return step
+
+    def _broadcast_buffers(self) -> None:
+        """As DDP's ``broadcast_buffers``: every replica takes rank 0's buffers (BatchNorm statistics)."""
+        buffers = list(self.module.buffers())
+        if buffers and self.layout.world_size > 1:
+            _sync_params_and_buffers(dist.group.WORLD, buffers, BROADCAST_BUCKET_BYTES, 0)
+
+    def before_backward(self, loss: Tensor) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.before_backward(loss)
+
+    def backward(self, run_backward: Callable[[], None]) -> None:
+        """Lightning's backward (``run_backward``), then what the graphs did not average."""
+        with self.guard("backward"):
+            with self.implicit_replication():
+                run_backward()
+            if self.grad_sync is not None:
+                self.grad_sync.after_backward()
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer, rank: int) -> None:
+        """The coverage proof; the compile cache is published once, after the first step (every graph of the
+        step is compiled then)."""
+        if self.grad_sync is None:
+            return
+        self.grad_sync.at_optimizer_step(optimizer)
+        if self.cache is not None and rank == 0 and not self._cache_published:
+            self._cache_published = True
+            message = self.cache.publish()
+            if message:
+                self.report.say(message)
+
+    # -------------------------------------------------------------------------------------------- plan
+    def plan(self) -> dict[str, Any]:
+        """The engine's part of ``strategy.plan``."""
+        graphs = [g.to_dict() for g in self.compiler.graphs] if self.compiler else []
+        if self.cache is not None:  # graphs taken from the cache did not run the pass: their recorded plan
+            merged = {d["graph_id"]: d for d in self.cache.recorded_graphs()}
+            merged.update({d["graph_id"]: d for d in graphs})
+            graphs = [merged[k] for k in sorted(merged)]
+        return {
+            "tensor_parallel_plan": self.tensor_plan.to_dict() if self.tensor_plan is not None else None,
+            "pipeline": None,
+            "activation_checkpointing": list(self.checkpointed),
+            "graphs": graphs,
+        }
+
+    def on_train_end(self) -> None:
+        """Nothing: every rank holds the whole model (or its shards) already."""
+
+    def local_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def full_state_dict(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        return state
+
+    def close(self) -> None:
+        """Forget the compiled steps and the gradient sync (a new fit compiles afresh)."""
+        self._steps.clear()
+        if self.grad_sync is not None:
+            self.grad_sync.close()
+
+    def teardown(self, barrier: Callable[[str], None]) -> None:
+        self._steps.clear()
+        restore_bookkeeping(self.module)

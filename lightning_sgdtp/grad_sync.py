@@ -1,0 +1,175 @@
+"""``GradSync``: the whole gradient-synchronisation sequence of one optimizer step, for both engines.
+
+Where each gradient is averaged over the data-parallel group:
+
+1. inside a compiled backward graph (the bucket pass, :mod:`lightning_sgdtp.compiler.buckets`), for the
+   parameters the ``"sgdtp"`` backend lifted into its graphs (``compiler.graph_param_ids``);
+2. after backward, by the ledger's fallback (:mod:`lightning_sgdtp.ledger`), for everything else: eager regions,
+   gradients accumulated over micro-batches while sync was off, a pipeline stage's eager parts.
+
+The sequence, in this order:
+
+- **before backward** (compiled engine): walk the autograd graph from the loss, then agree with every rank on
+  what the fallback will send and check that all ranks run the same in-graph collectives (one small all-reduce
+  that also carries the preemption flag);
+- **after backward**: the fallback averages what the graphs did not (the pipelined engine classifies its stages'
+  gradients here, agrees with its data-parallel replicas, then sums tied weights over the pipeline);
+- **at the optimizer step**: close the step and prove that every gradient the optimizer steps was averaged
+  exactly once.
+
+``SGDTP_NEGATIVE_CONTROL=no-dp-sync`` in the environment switches every data-parallel average off (in-graph
+buckets, fallback, the coverage proof; tied-weight sums over a pipeline still run): the tests' negative control,
+which must then disagree with the reference. It says so on rank 0 in capitals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Generator, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sgdtp.compiler.backend import SGDTPCompiler
+from lightning_sgdtp.config import SGDTPConfig
+from lightning_sgdtp.ledger import BackwardRecord, GradLedger, walk_autograd_graph
+from lightning_sgdtp.preemption import PreemptionCoordinator
+
+NEGATIVE_CONTROL_ENV = "SGDTP_NEGATIVE_CONTROL"
+NO_DP_SYNC = "no-dp-sync"
+
+
+def negative_control() -> bool:
+    """Whether the tests' negative control asks to skip every data-parallel gradient average."""
+    return os.environ.get(NEGATIVE_CONTROL_ENV) == NO_DP_SYNC
+
+
+class GradSync:
+    """Before backward, after backward, at the optimizer step: see the module docstring.
+
+    Args:
+        named_parameters: the LightningModule's parameters, in the same order on every rank.
+        compiler: the ``"sgdtp"`` backend of this run (which parameters its graphs average).
+        group: the data-parallel process group (None: the world).
+        config: the options (bucket size, wire dtype).
+        in_graph: whether compiled backwards average in the graph (False while accumulating gradients: one
+            fallback sync after the last micro-batch).
+        say: logs one line on rank 0.
+        preemption: SLURM's preemption agreement, carried by the collectives here.
+    """
+
+    def __init__(
+        self,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+        compiler: SGDTPCompiler,
+        group: dist.ProcessGroup | None,
+        config: SGDTPConfig,
+        in_graph: bool,
+        say: Callable[[str], None],
+        preemption: PreemptionCoordinator | None = None,
+    ) -> None:
+        wire = getattr(torch, config.comm_dtype_name) if config.comm_dtype_name else None
+        self.ledger = GradLedger(named_parameters, group, config.bucket_cap_bytes, wire)
+        self.compiler = compiler
+        self.group = group
+        self.say = say
+        self.preemption = preemption
+        self.enabled = not negative_control()
+        compiler.in_graph_sync = in_graph and self.enabled
+        #: Parameters synced by the fallback after a step in which the graphs should have covered them.
+        self.fallback_params: list[str] = []
+        self._accumulating = False
+        self._record: BackwardRecord | None = None
+        if not self.enabled:
+            say(
+                f"NEGATIVE CONTROL ({NEGATIVE_CONTROL_ENV}={NO_DP_SYNC}): no data-parallel gradient averaging at all;"
+                " training is WRONG on purpose"
+            )
+
+    @property
+    def in_graph(self) -> bool:
+        return self.compiler.in_graph_sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no communication on the micro-batches run inside this context."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    # --------------------------------------------------------------------------------- compiled engine
+    def before_backward(self, loss: Tensor) -> None:
+        """Classify the gradients this backward will produce, and agree on them with every rank."""
+        if self._accumulating or not self.enabled:
+            return
+        record = walk_autograd_graph(loss, self.compiler.graph_param_ids)
+        # Agree before backward: a rank about to run other in-graph collectives fails here, not in a hang.
+        stop = self.preemption is not None and self.preemption.requested
+        self._record = self.ledger.agree(record, everything=not self.in_graph, stop=stop)
+        if self.preemption is not None:
+            self.preemption.agree(self._record.stop)
+
+    def after_backward(self) -> None:
+        """Average what the compiled graphs did not (what the ranks agreed on before backward)."""
+        if self._record is None:
+            return
+        record, self._record = self._record, None
+        self._note_fallback(self.ledger.sync(record))
+
+    # -------------------------------------------------------------------------------- pipelined engine
+    def after_pipeline_backward(self, local_parameters: list[torch.nn.Parameter], sum_tied: Callable[[], None]) -> None:
+        """At the last micro-step of an optimizer step (the schedule ran every backward already): the stage's
+        gradients no compiled graph averaged, averaged over its data-parallel replicas; then tied parameters
+        summed over the pipeline; then the preemption flag agreed over every rank."""
+        if self._accumulating:
+            return
+        if self.enabled:
+            graph_ids = self.compiler.graph_param_ids
+            with_grad = [p for p in local_parameters if p.grad is not None]
+            record = BackwardRecord(
+                graph={id(p) for p in with_grad if id(p) in graph_ids},
+                eager={id(p) for p in with_grad if id(p) not in graph_ids},
+            )
+            # The replicas of a stage hold the same parameters; the other stages hold others.
+            self._note_fallback(self.ledger.sync(self.ledger.agree(record, group=self.group)))
+        sum_tied()
+        if self.preemption is not None:  # SLURM's signal: every rank learns of it at the same step
+            self.preemption.agree_over_world()
+
+    # ---------------------------------------------------------------------------------- optimizer step
+    def at_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Close the step; every gradient the optimizer stepped must have been averaged exactly once."""
+        self.ledger.end_step()
+        stepped = [p for group in optimizer.param_groups for p in group["params"]]
+        missing = self.ledger.uncovered(stepped)
+        if missing and self.enabled:
+            raise RuntimeError(
+                f"sgdtp: the gradients of {missing[:5]} were not averaged across ranks this step. They came"
+                " from a backward the strategy did not see (in manual optimization call"
+                " self.manual_backward(loss), not loss.backward()) or through an autograd node that hides its"
+                " parameters (reentrant activation checkpointing: use use_reentrant=False)."
+            )
+
+    def _note_fallback(self, synced: list[str]) -> None:
+        new = [n for n in synced if n not in self.fallback_params]
+        if new and self.in_graph:
+            self.fallback_params.extend(new)
+            self.say(
+                f"{len(new)} parameter(s) get gradients outside the compiled graphs (eager regions); synced"
+                f" after backward by the fallback buckets: {', '.join(new[:8])}" + (" ..." if len(new) > 8 else "")
+            )
+
+    def close(self) -> None:
+        self.ledger.remove_hooks()
+
+    def describe(self, world_size: int, dp_size: int, pipelined: bool) -> str:
+        """``plan["grad_sync"]``."""
+        if world_size == 1:
+            return "none (one process)"
+        if pipelined:
+            return "in-graph per micro-batch, each stage over its data-parallel group"
+        return "in-graph" if self.in_graph else "after-last-micro-batch (gradient accumulation)"
