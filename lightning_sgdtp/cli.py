@@ -136,46 +136,50 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--save", type=Path, default=None, help="write this machine's probed environment as JSON")
     doc.set_defaults(run=_doctor)
 
-    sign = commands.add_parser(
-        "sign",
-        help="write DIR/SGDTP-MANIFEST.json (path, size, SHA256 of every file) and, with a key, its signature",
-    )
-    sign.add_argument("dir", type=Path)
+    sign = _folder_command(commands, "sign", _sign)
     sign.add_argument("--gpg-key", default=None, help="sign with gpg: key id, fingerprint or email")
     sign.add_argument("--gnupg-home", default=None, help="gpg's home directory (default: gpg's own)")
     sign.add_argument("--pem-key", type=Path, default=None, help="sign with a PEM private key (Ed25519, RSA, EC)")
-    sign.set_defaults(run=_sign)
 
-    verify = commands.add_parser(
-        "verify", help="check DIR against its manifest (sizes, SHA256, no extra files) and the manifest's signature"
-    )
-    verify.add_argument("dir", type=Path)
+    verify = _folder_command(commands, "verify", _verify)
     verify.add_argument("--keyring", type=Path, default=None, help="trusted keys: a gpg keyring (checked with gpgv)")
     verify.add_argument("--pem-public-key", type=Path, default=None, help="trusted key: a PEM public key")
-    verify.set_defaults(run=_verify)
 
-    cons = commands.add_parser(
-        "consolidate",
-        help="merge a sharded checkpoint folder (tensor/hybrid parallel) into one file that plain torch.load reads",
-    )
-    cons.add_argument("dir", type=Path, help="the sharded checkpoint folder")
+    cons = _folder_command(commands, "consolidate", _consolidate, dir_help="the sharded checkpoint folder")
     cons.add_argument("output", type=Path, help="the file to write (Lightning's layout: state_dict, optimizer_states)")
     cons.add_argument("--keyring", type=Path, default=None, help="verify the folder's signature with this gpg keyring")
     cons.add_argument("--no-verify", action="store_true", help="do not check the folder's SHA256 manifest first")
-    cons.set_defaults(run=_consolidate)
     return parser
 
 
-def _consolidate(args: argparse.Namespace) -> int:
-    from lightning_sgdtp.sharded_checkpoint import consolidate
+def _folder_command(
+    commands: Any, name: str, run: Callable[[argparse.Namespace], int], dir_help: str | None = None
+) -> argparse.ArgumentParser:
+    """A subcommand ``sgdtp NAME DIR ...`` that ``main`` dispatches to ``run``; ``run``'s docstring is its help."""
+    command = commands.add_parser(name, help=run.__doc__)
+    command.add_argument("dir", type=Path, help=dir_help)
+    command.set_defaults(run=run)
+    return command
+
+
+def _verified(folder: Path, trusted: Path | None) -> bool:
+    """``verify_dir``; on failure the reason goes to stderr."""
     from lightning_sgdtp.trust import ArtifactVerificationError, verify_dir
 
-    if not args.no_verify:  # consolidate unpickles meta.pt: check the folder before
-        try:
-            verify_dir(args.dir, trusted=args.keyring)
-        except ArtifactVerificationError as err:
-            print(err, file=sys.stderr)
-            return 1
+    try:
+        verify_dir(folder, trusted=trusted)
+    except ArtifactVerificationError as err:
+        print(err, file=sys.stderr)
+        return False
+    return True
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    """merge a sharded checkpoint folder (tensor/hybrid parallel) into one file that plain torch.load reads"""
+    from lightning_sgdtp.sharded_checkpoint import consolidate
+
+    if not args.no_verify and not _verified(args.dir, args.keyring):  # consolidate unpickles meta.pt: check first
+        return 1
     try:
         out = consolidate(args.dir, args.output)
     except FileNotFoundError as err:
@@ -203,6 +207,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _sign(args: argparse.Namespace) -> int:
+    """write DIR/SGDTP-MANIFEST.json (path, size, SHA256 of every file) and, with a key, its signature"""
     from lightning_sgdtp.trust import sign_dir
 
     manifest = sign_dir(args.dir, gpg_key=args.gpg_key, gnupg_home=args.gnupg_home, pem_key=args.pem_key)
@@ -212,15 +217,11 @@ def _sign(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from lightning_sgdtp.trust import ArtifactVerificationError, verify_dir
-
+    """check DIR against its manifest (sizes, SHA256, no extra files) and the manifest's signature"""
     if args.keyring and args.pem_public_key:
         print("sgdtp verify: give --keyring or --pem-public-key, not both", file=sys.stderr)
         return 2
-    try:
-        verify_dir(args.dir, trusted=args.keyring or args.pem_public_key)
-    except ArtifactVerificationError as err:
-        print(err, file=sys.stderr)
+    if not _verified(args.dir, args.keyring or args.pem_public_key):
         return 1
     how = "signature and " if args.keyring or args.pem_public_key else "(no signature checked) "
     print(f"{args.dir}: {how}every file verified")

@@ -10,7 +10,8 @@ This module adds three things on top of that cache, without touching its format:
 - **Bundles.** After the first optimizer step, global rank 0 copies that folder to ``path/KEY/``, atomically
   (temporary name, fsync, rename), with a SHA256 manifest, signed with ``signing_key`` when set. ``KEY`` is a hash
   of what makes the artifacts valid: torch version and build, Python, platform, device kind, the parallel layout,
-  the communication plan's settings, the process-group backend and names, and the LightningModule's code.
+  the options that change the compiled graphs, the process-group backend and names, and the LightningModule's code
+  (:func:`key_fields`).
 - **Warm starts.** A later job with the same key verifies the bundle (and its signature against ``trusted_key``)
   before copying it into its local cache. A bundle that fails verification, or a key with no bundle, is ignored
   with a log line, and the job compiles from scratch: a bundle is used whole or not at all.
@@ -21,24 +22,87 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import inspect
 import json
 import os
 import shutil
+import sys
+import sysconfig
 import tempfile
 import threading
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
-from lightning_sgdtp._fs import fsync_path
+import torch
+import torch.distributed as dist
+
+from lightning_sgdtp._fs import fsync_path, write_atomically
+from lightning_sgdtp.compiler.backend import PASS_VERSION
+from lightning_sgdtp.config import SGDTPConfig
 from lightning_sgdtp.trust import ArtifactVerificationError, verify_dir
 from lightning_sgdtp.trust.signatures import sign_with
 
 LOCK = "sgdtp-compile.lock"
 LOADED = "sgdtp-bundle-loaded"
 FIELDS = "SGDTP-CACHE-KEY.json"
+GRAPHS = "sgdtp-plans"  # the recorded graphs' folder (its name predates GraphBuckets; kept for existing caches)
 # Not artifacts: Inductor's lock files, our own lock and marker.
 _SKIP = {"locks", LOCK, LOADED}
+# The options that change the compiled graphs (part of the key).
+GRAPH_OPTIONS = (
+    "parallelism",
+    "bucket_cap_mb",
+    "grad_comm_dtype",
+    "overlap",
+    "activation_checkpointing",
+    "tensor_parallel_size",
+    "tp_plan",
+    "sequence_parallel",
+)
+
+
+def key_fields(
+    module: torch.nn.Module,
+    config: SGDTPConfig,
+    *,
+    in_graph_sync: bool,
+    device: torch.device,
+    world_size: int,
+    num_nodes: int,
+    devices_per_node: int,
+    rank_grid: list[list[int]] | None,
+    process_group_backend: str | None,
+    tensor_parallel_plan: dict | None,
+) -> dict[str, Any]:
+    """What makes compiled artifacts valid, as plain data (:func:`cache_key` hashes it): the bucket pass's
+    version, torch, Python, platform, device kind, the parallel layout, the process-group backend and names, the
+    options in ``GRAPH_OPTIONS``, and the module's code and parameter shapes. The field names and values are
+    those of the bundles already written (their keys stay valid): ``"plan"`` holds the graph options."""
+    cls = type(module)
+    try:
+        source = Path(inspect.getsourcefile(cls) or "").read_bytes()
+    except (OSError, TypeError):
+        source = b""
+    options = config.to_dict()
+    return {
+        "sgdtp": PASS_VERSION,
+        "torch": torch.__version__,
+        "python": sys.implementation.cache_tag,
+        "platform": sysconfig.get_platform(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "layout": {"world_size": world_size, "num_nodes": num_nodes, "devices": devices_per_node, "mesh": rank_grid},
+        "backend": process_group_backend,
+        "groups": [dist.group.WORLD.group_name] if dist.is_available() and dist.is_initialized() else [],
+        "tensor_parallel_plan": tensor_parallel_plan,
+        "plan": {k: options[k] for k in GRAPH_OPTIONS} | {"in_graph_sync": in_graph_sync},
+        "module": f"{cls.__module__}.{cls.__qualname__}",
+        "module_source_sha256": hashlib.sha256(source).hexdigest(),
+        # The same code with other sizes compiles other graphs: a bundle is for these parameters only.
+        "parameters_sha256": hashlib.sha256(
+            json.dumps([(n, list(p.shape), str(p.dtype)) for n, p in module.named_parameters()]).encode()
+        ).hexdigest(),
+    }
 
 
 def cache_key(fields: dict[str, Any]) -> str:
@@ -64,7 +128,7 @@ class CompileCache:
         self.local_dir = Path(local_dir or env_dir or Path(tempfile.gettempdir()) / f"sgdtp-inductor-{self.key[:16]}")
         self.warm = False
         self.rejected = False  # the bundle failed verification: this job replaces it
-        self._plans: tuple[int, list[dict[str, Any]]] = (-1, [])  # (folder mtime, plans) read last
+        self._graphs: tuple[int, list[dict[str, Any]]] = (-1, [])  # (folder mtime, graphs) read last
         self._depth = threading.local()
 
     # ----------------------------------------------------------------------------------------------- lock
@@ -117,26 +181,25 @@ class CompileCache:
             self.warm = True
             return f"compile cache: bundle {self.key} verified and loaded into {self.local_dir}"
 
-    # ---------------------------------------------------------------------------------------------- plans
-    def record_plan(self, plan: dict[str, Any]) -> None:
-        """Keep a graph's communication plan next to its artifacts: a rank (or a later job) that takes the
-        compiled graph from the cache does not run the pass, and reads the plan from here instead."""
-        folder = self.local_dir / "sgdtp-plans"
+    # --------------------------------------------------------------------------------------------- graphs
+    def record_graph(self, graph: dict[str, Any]) -> None:
+        """Keep what the bucket pass decided for a graph (``GraphBuckets.to_dict()``) next to its artifacts: a
+        rank (or a later job) that takes the compiled graph from the cache does not run the pass, and reads it
+        from here instead."""
+        folder = self.local_dir / GRAPHS
         folder.mkdir(parents=True, exist_ok=True)
-        target = folder / f"{plan['graph_id']}.json"
-        tmp = folder / f".{plan['graph_id']}.json.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(plan, sort_keys=True))
-        os.replace(tmp, target)
+        data = json.dumps(graph, sort_keys=True).encode()
+        write_atomically(folder / f"{graph['graph_id']}.json", lambda f: f.write(data))
 
-    def recorded_plans(self) -> list[dict[str, Any]]:
-        """The plans recorded on this node. Asked every optimizer step: the files are read again only when the
+    def recorded_graphs(self) -> list[dict[str, Any]]:
+        """The graphs recorded on this node. Asked every optimizer step: the files are read again only when the
         folder changed (a rank recorded a new graph), else this is one ``stat``."""
-        folder = self.local_dir / "sgdtp-plans"
+        folder = self.local_dir / GRAPHS
         mtime = folder.stat().st_mtime_ns if folder.is_dir() else -1
-        if mtime != self._plans[0]:
+        if mtime != self._graphs[0]:
             files = sorted(folder.glob("*.json"), key=lambda p: int(p.stem)) if mtime != -1 else []
-            self._plans = (mtime, [json.loads(p.read_text()) for p in files])
-        return self._plans[1]
+            self._graphs = (mtime, [json.loads(p.read_text()) for p in files])
+        return self._graphs[1]
 
     # -------------------------------------------------------------------------------------------- publish
     def publish(self) -> str | None:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sgdtp._fs import fsync_path
+from lightning_sgdtp._fs import fsync_path, write_atomically
 
 META = "meta.pt"
 MODEL_KEY = "state_dict"
@@ -178,15 +178,14 @@ def consolidate(path: str | os.PathLike, output: str | os.PathLike) -> Path:
     if not is_sharded(path):
         raise FileNotFoundError(f"{path} is not a sharded checkpoint folder (no .metadata inside).")
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    staged = output.with_name(f".{output.name}.dcp-{os.getpid()}")  # DCP's own single-file form, read back at once
     try:
-        dcp_to_torch_save(path, tmp)
-        full = torch.load(tmp, map_location="cpu", weights_only=False)
-        meta = torch.load(path / META, map_location="cpu", weights_only=False) if (path / META).exists() else {}
-        keys = sorted((k for k in full if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
-        merged = {**meta, MODEL_KEY: full[MODEL_KEY], "optimizer_states": [full[k] for k in keys]}
-        torch.save(merged, tmp)
-        os.replace(tmp, output)
+        dcp_to_torch_save(path, staged)
+        full = torch.load(staged, map_location="cpu", weights_only=False)
     finally:
-        tmp.unlink(missing_ok=True)
+        staged.unlink(missing_ok=True)
+    meta = torch.load(path / META, map_location="cpu", weights_only=False) if (path / META).exists() else {}
+    keys = sorted((k for k in full if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    merged = {**meta, MODEL_KEY: full[MODEL_KEY], "optimizer_states": [full[k] for k in keys]}
+    write_atomically(output, lambda f: torch.save(merged, f))
     return output

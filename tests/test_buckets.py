@@ -75,7 +75,7 @@ def schedule(code: str) -> list[tuple[str, str]]:
 
 def test_plan_follows_gradient_production_order(fake_world: None) -> None:
     _, compiler = backward_code(overlap=True)
-    (plan,) = compiler.plans
+    (plan,) = compiler.graphs
     assert plan.in_graph_sync and plan.world_size == 2
     names = [p for b in plan.buckets for p in b.params]
     # backward produces the last layer's gradients first
@@ -90,7 +90,7 @@ def test_generated_code_issues_all_reduce_before_later_backward_compute(fake_wor
     code, compiler = backward_code(overlap=True)
     events = schedule(code)
     issued = [i for i, e in enumerate(events) if e[0] == "all_reduce_"]
-    assert len(issued) == len(compiler.plans[0].buckets) >= 3, events
+    assert len(issued) == len(compiler.graphs[0].buckets) >= 3, events
     first_buf = events[issued[0]][1]
     wait = next(i for i, e in enumerate(events) if e == ("wait_tensor", first_buf))
     between = [e for e in events[issued[0] + 1 : wait] if e[0] == "compute" and "mm" in e[1]]
@@ -106,7 +106,7 @@ def test_overlap_false_waits_for_each_bucket_before_more_backward_compute(fake_w
     code, compiler = backward_code(overlap=False)
     events = schedule(code)
     issued = [i for i, e in enumerate(events) if e[0] == "all_reduce_"]
-    assert len(issued) == len(compiler.plans[0].buckets) >= 3, events
+    assert len(issued) == len(compiler.graphs[0].buckets) >= 3, events
     for i in issued:
         wait = next(j for j, e in enumerate(events) if e == ("wait_tensor", events[i][1]))
         between = [e for e in events[i + 1 : wait] if e[0] == "compute" and "mm" in e[1]]
@@ -119,7 +119,7 @@ def test_bf16_wire_dtype_halves_bytes(fake_world: None) -> None:
     model = mlp()
     step = torch.compile(model, backend=compiler)
     step(torch.randn(4, 256)).sum().backward()
-    (bucket,) = compiler.plans[0].buckets
+    (bucket,) = compiler.graphs[0].buckets
     assert bucket.wire_dtype == "bfloat16" and bucket.wire_bytes * 2 == bucket.numel * 4
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
 

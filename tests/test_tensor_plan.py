@@ -192,7 +192,7 @@ def test_backend_object_survives_lightnings_compile_wrapper() -> None:
     assert copy.deepcopy({"backend": compiler})["backend"] is compiler
     model = nn.Linear(4, 2)
     torch.compile(model, backend=compiler)(torch.randn(3, 4)).sum().backward()
-    assert compiler.plans, "the graphs were compiled by a copy, not by this backend object"
+    assert compiler.graphs, "the graphs were compiled by a copy, not by this backend object"
     torch._dynamo.reset()
 
 

@@ -9,9 +9,10 @@ Inductor compile the result with its compute/communication overlap scheduling sw
 Two details that cost correctness if missed:
 
 - AOTAutograd's cache can hand back a backward compiled earlier (for example by plain Inductor) without
-  our collectives; gradients would then silently not be synced. We salt the cache keys with the plan
-  (``_CacheSalt``, part of the Inductor config both caches hash), and keep AOTAutograd's cache off unless
-  the strategy's compile cache asks for it (a hit skips our pass: the plan is then restored from the cache).
+  our collectives; gradients would then silently not be synced. We salt the cache keys with the pass's
+  settings (``_CacheSalt``, part of the Inductor config both caches hash), and keep AOTAutograd's cache off
+  unless the strategy's compile cache asks for it (a hit skips our pass: its ``GraphBuckets`` are then restored
+  from the cache).
 - Inductor's default scheduling pulls each ``wait_tensor`` right after its all-reduce. The overlap
   passes (``sink_waits_iterative`` and friends) keep the waits where the pass put them.
 """
@@ -28,18 +29,19 @@ import torch.distributed as dist
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from lightning_sgdtp.compiler.buckets import GraphPlan, insert_bucketed_allreduce
+from lightning_sgdtp.compiler.buckets import GraphBuckets, insert_bucketed_allreduce
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 
-PLAN_VERSION = "sgdtp-grad-buckets-v1"
+PASS_VERSION = "sgdtp-grad-buckets-v1"
+PLAN_VERSION = PASS_VERSION  # transitional: strategy.py still imports the old name; remove once it adopts PASS_VERSION
 OVERLAP_PASSES = ["reorder_communication_preserving_peak_memory", "sink_waits_iterative"]
 
 
 class _CacheSalt(CustomGraphPass):
     """A no-op post-grad pass whose ``uuid()`` enters Inductor's cache key.
 
-    Graphs compiled with a given communication plan never share cache entries with graphs compiled
-    without it (or with another process group or bucket size).
+    Graphs compiled with the bucket pass never share cache entries with graphs compiled without it (or with
+    another process group, bucket size, wire dtype or overlap setting).
     """
 
     def __init__(self, key: str) -> None:
@@ -55,14 +57,16 @@ class _CacheSalt(CustomGraphPass):
 class SGDTPCompiler:
     """A torch.compile backend that syncs parameter gradients inside the compiled backward.
 
-    ``SGDTPCompiler(config, group)`` is passed as ``torch.compile(..., backend=compiler)``. It keeps what it
-    decided (``plans``) and which parameters live inside its graphs (``graph_param_ids``), so the strategy
-    can sync the rest and prove coverage.
+    ``SGDTPCompiler(config, group)`` is passed as ``torch.compile(..., backend=compiler)``. It keeps what its
+    bucket pass decided for each backward graph (``graphs``) and which parameters live inside its graphs
+    (``graph_param_ids``), so the strategy can sync the rest and prove coverage.
 
     Args:
         config: the validated options.
         group: the data-parallel process group (default: the world group, if initialized).
-        param_names: ``id(parameter) -> qualified name``, used to name parameters in the plan.
+        param_names: ``id(parameter) -> qualified name``, used to name parameters in ``graphs``.
+        on_graph: called with each backward graph's ``GraphBuckets`` as the pass decides them.
+        inductor_mode: torch.compile's ``mode``, passed on to Inductor.
     """
 
     def __init__(
@@ -70,7 +74,7 @@ class SGDTPCompiler:
         config: SGDTPConfig | None = None,
         group: dist.ProcessGroup | None = None,
         param_names: dict[int, str] | None = None,
-        on_plan: Callable[[GraphPlan], None] | None = None,
+        on_graph: Callable[[GraphBuckets], None] | None = None,
         inductor_mode: str | None = None,
     ) -> None:
         self.config = config or SGDTPConfig()
@@ -78,18 +82,18 @@ class SGDTPCompiler:
         self.inductor_patches = torch._inductor.list_mode_options(inductor_mode) if inductor_mode else {}
         self.group = group
         self.param_names = dict(param_names or {})
-        self.on_plan = on_plan
+        self.on_graph = on_graph
         #: Insert collectives into backward graphs. The strategy switches this off when gradients are
         #: accumulated over micro-batches (then one sync after the last micro-batch is cheaper and correct).
         self.in_graph_sync = True
-        self.plans: list[GraphPlan] = []
+        self.graphs: list[GraphBuckets] = []
         self.graph_param_ids: set[int] = set()
         self._ids = itertools.count()
         #: Held around every compile (``compile_cache``: one rank of a node compiles, the others then hit the
         #: node's cache). Taken per compile, never across a collective.
         self.compile_lock: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-        #: AOTAutograd's cache: off by default (a hit skips this backend's pass, so no plan is reported; the
-        #: salt keeps other compilers' entries out). The compile cache switches it on and restores the plans.
+        #: AOTAutograd's cache: off by default (a hit skips this backend's pass, so no graph is reported; the
+        #: salt keeps other compilers' entries out). The compile cache switches it on and restores the graphs.
         self.aot_cache = False
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SGDTPCompiler:
@@ -125,7 +129,7 @@ class SGDTPCompiler:
             self.graph_param_ids.update(id(v) for v in params.values())
         cfg = self.config
         wire_dtype = getattr(torch, cfg.comm_dtype_name) if cfg.comm_dtype_name else None
-        salt = f"{PLAN_VERSION}:{sync}:{group_name}:{world_size}:{cfg.bucket_cap_bytes}:{wire_dtype}:{cfg.overlap}"
+        salt = f"{PASS_VERSION}:{sync}:{group_name}:{world_size}:{cfg.bucket_cap_bytes}:{wire_dtype}:{cfg.overlap}"
 
         def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
             if not kwargs.get("is_backward") or not grad_outputs:
@@ -139,7 +143,7 @@ class SGDTPCompiler:
                     " guess which gradient belongs to which parameter. Please report this with your model."
                 )
             if sync:
-                plan = insert_bucketed_allreduce(
+                decided = insert_bucketed_allreduce(
                     g,
                     grad_outputs,
                     group_name=group_name,
@@ -150,16 +154,16 @@ class SGDTPCompiler:
                     overlap=cfg.overlap,
                 )
             else:
-                plan = GraphPlan(
+                decided = GraphBuckets(
                     graph_id=graph_id,
                     in_graph_sync=False,
                     group=str(group_name),
                     world_size=world_size,
                     params=[grad_outputs[p] for p in sorted(grad_outputs) if isinstance(outputs[p], fx.Node)],
                 )
-            self.plans.append(plan)
-            if self.on_plan is not None:
-                self.on_plan(plan)
+            self.graphs.append(decided)
+            if self.on_graph is not None:
+                self.on_graph(decided)
             overlap = {
                 "reorder_for_compute_comm_overlap": True,
                 "reorder_for_compute_comm_overlap_passes": OVERLAP_PASSES,

@@ -1,4 +1,4 @@
-"""The gradient-bucket pass: plan buckets over a backward graph and insert fused async all-reduces.
+"""The gradient-bucket pass: group a backward graph's gradients into buckets and insert fused async all-reduces.
 
 Two pieces, each testable without processes:
 
@@ -56,8 +56,8 @@ class Bucket:
 
 
 @dataclass
-class GraphPlan:
-    """What the pass decided for one compiled backward graph."""
+class GraphBuckets:
+    """What the bucket pass decided for one compiled backward graph: its parameters and their buckets."""
 
     graph_id: int
     in_graph_sync: bool
@@ -127,8 +127,8 @@ def insert_bucketed_allreduce(
     wire_dtype: torch.dtype | None = None,
     graph_id: int = 0,
     overlap: bool = True,
-) -> GraphPlan:
-    """Insert one fused async all-reduce per bucket into backward graph ``gm`` (in place).
+) -> GraphBuckets:
+    """Insert one fused async all-reduce per bucket into backward graph ``gm`` (in place); return the buckets.
 
     Args:
         gm: an AOTAutograd backward graph; output ``i`` is the gradient of forward input ``i``.
@@ -162,7 +162,7 @@ def insert_bucketed_allreduce(
         )
         for n in produced
     ]
-    plan = GraphPlan(
+    decided = GraphBuckets(
         graph_id=graph_id,
         in_graph_sync=True,
         group=group_name,
@@ -198,7 +198,7 @@ def insert_bucketed_allreduce(
         pending.append((nodes, collective, grad_dtype))
         numel = sum(slots[i].numel for i in members)
         wire = buf.meta["val"].dtype
-        plan.buckets.append(
+        decided.buckets.append(
             Bucket(
                 index=index,
                 params=[slots[i].name for i in members],
@@ -232,4 +232,7 @@ def insert_bucketed_allreduce(
     out_node.args = (tuple(new_outs),)
     graph.lint()
     gm.recompile()
-    return plan
+    return decided
+
+
+GraphPlan = GraphBuckets  # transitional: strategy.py still imports the old name; remove once it adopts GraphBuckets

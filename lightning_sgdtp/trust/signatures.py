@@ -30,6 +30,14 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
 
 
+def _existing_signature(manifest: Path, name: str) -> Path:
+    """The signature file ``name`` next to ``manifest``; refused when there is none (the manifest is unsigned)."""
+    signature = manifest.with_name(name)
+    if not signature.exists():
+        raise ArtifactVerificationError(manifest, "signature", f"there is no {name} (the manifest is unsigned)")
+    return signature
+
+
 def gpg_sign(manifest: Path, key: str, gnupg_home: str | None = None) -> Path:
     """Write ``MANIFEST.sig``, a detached OpenPGP signature made by ``key`` (a key id, fingerprint or email)."""
     out = manifest.with_name(GPG_SIGNATURE)
@@ -43,11 +51,7 @@ def gpg_sign(manifest: Path, key: str, gnupg_home: str | None = None) -> Path:
 
 def gpgv_verify(manifest: Path, keyring: Path) -> str:
     """Check ``MANIFEST.sig`` with ``gpgv`` against ``keyring`` (only its keys are trusted). Returns gpgv's report."""
-    signature = manifest.with_name(GPG_SIGNATURE)
-    if not signature.exists():
-        raise ArtifactVerificationError(
-            manifest, "signature", f"there is no {GPG_SIGNATURE} (the manifest is unsigned)"
-        )
+    signature = _existing_signature(manifest, GPG_SIGNATURE)
     result = _run(["gpgv", "--keyring", str(Path(keyring).resolve()), str(signature), str(manifest)])
     if result.returncode != 0:
         lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -81,11 +85,7 @@ def pem_verify(manifest: Path, public_key: Path) -> None:
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
-    signature_path = manifest.with_name(PEM_SIGNATURE)
-    if not signature_path.exists():
-        raise ArtifactVerificationError(
-            manifest, "signature", f"there is no {PEM_SIGNATURE} (the manifest is unsigned)"
-        )
+    signature_path = _existing_signature(manifest, PEM_SIGNATURE)
     key: Any = serialization.load_pem_public_key(Path(public_key).read_bytes())
     data, signature = manifest.read_bytes(), signature_path.read_bytes()
     try:
