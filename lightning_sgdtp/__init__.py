@@ -5,11 +5,11 @@ communication inside the compiled backward.
 ``pytorch_lightning``'s when that is in use) and with TorchDynamo as a ``torch.compile`` backend.
 """
 
-from lightning_sgdtp import graph
+# `diagnose` is the package lightning_sgdtp.diagnose, callable: lightning_sgdtp.diagnose(...) runs diagnose.diagnose(...)
+from lightning_sgdtp import diagnose, graph
 from lightning_sgdtp._registration import register_strategies
 from lightning_sgdtp.compiler.backend import SGDTPCompiler, register_backend, sgdtp_backend
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
-from lightning_sgdtp.diagnose import diagnose
 from lightning_sgdtp.faults import RankLostError
 from lightning_sgdtp.preemption import Preempted
 from lightning_sgdtp.rendezvous import RendezvousError

@@ -66,17 +66,16 @@ def _unpack(made: Any, target: str) -> tuple[Any, Any, Any]:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from lightning_sgdtp.diagnose import Diagnosis, check_compile_cache, diagnose
+    from lightning_sgdtp.diagnose import Diagnosis, diagnose
+    from lightning_sgdtp.diagnose.compile_cache_hygiene import cache_path, check_compile_cache
 
     if args.target is None:
         findings = check_compile_cache(args.cache_dir, write_marker=not args.no_marker)
-        from lightning_sgdtp.diagnose import _cache_path
-
         result = Diagnosis(
             target="compile cache",
             backend="-",
             findings=findings,
-            stats={"cache_dir": str(_cache_path(args.cache_dir))},
+            stats={"cache_dir": str(cache_path(args.cache_dir))},
         )
     else:
         try:

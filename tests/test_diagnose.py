@@ -15,6 +15,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from launch import REPO, job_env
 from torch import nn
 
@@ -126,6 +127,70 @@ def test_clean_step_has_no_findings() -> None:
     step = diagnose(module, batch(), lambda b: F.mse_loss(module.head(b[0] @ module.body.weight.t()), b[1]), **FAST)
     assert step.stats["kind"] == "step_fn" and "(step_fn of BreakingModule)" in step.target
     assert step.stats["calls"][1] != "the example batch with batch_idx=1" and not step.of("graph_break")
+
+
+class MetricModule(L.LightningModule):
+    """Updates and logs torchmetrics metrics in its step, as most training loops do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 3)
+        self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+        self.mean_loss = torchmetrics.MeanMetric()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        self.acc(logits.argmax(-1), y)
+        self.mean_loss(loss.detach())
+        self.log("acc", self.acc)
+        self.log_dict({"loss": self.mean_loss})
+        return loss
+
+
+def test_torchmetrics_in_the_step_cause_no_recompile() -> None:
+    # As under the strategy, Metric.forward runs eagerly. Diagnose used to trace into it: MeanMetric recompiled on
+    # every batch (guard failed: self._update_count == 1, == 2, ...) and MulticlassAccuracy did not even trace
+    # (compile_error: PackageNotFoundError for torch_xla), recompiles that training never has.
+    def batch_of_classes() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+    module = MetricModule()
+    result = diagnose(module, batch_of_classes(), other_batches=[batch_of_classes() for _ in range(3)], **FAST)
+    assert not result.of("recompile") and result.stats["recompiles"] == 0, str(result)
+    assert not result.of("compile_error") and result.ok, str(result)
+    assert len(result.stats["calls"]) == 6  # batch_idx=1, three other batches, the example batch again: all ran
+    assert all(f.severity == "info" for f in result.of("graph_break")), str(result)  # the strategy's eager breaks
+    assert any(line_of(MetricModule.training_step, "self.acc(") == f.where for f in result.of("graph_break"))
+    # the metrics are left as they were, and no wrapper stays behind
+    assert module.acc._update_count == module.mean_loss._update_count == 0
+    assert "forward" not in module.acc.__dict__ and "log" not in module.__dict__
+
+
+class LogNet(nn.Module):
+    """A plain module with a method of its own called ``log``: not Lightning's, so it is traced like any other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def log(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.abs() + 1).log()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.log(self.lin(x)).sum()
+
+
+def test_package_is_callable_and_a_plain_modules_log_is_traced() -> None:
+    import lightning_sgdtp
+
+    result = lightning_sgdtp.diagnose(LogNet(), torch.randn(8, 4), other_batches=[], **FAST)
+    assert isinstance(result, Diagnosis) and result.findings == [] and result.stats["graph_breaks"] == 0
+    assert (
+        lightning_sgdtp.diagnose.diagnose is diagnose
+        and lightning_sgdtp.diagnose.check_compile_cache is check_compile_cache
+    )
 
 
 # ----------------------------------------------------------------------------------------------- devices

@@ -18,6 +18,14 @@ from torch import nn
 LOGGING_HOOKS = ("log", "log_dict")
 
 
+def is_lightning_module(module: Any) -> bool:
+    """A ``lightning.pytorch`` or ``pytorch_lightning`` LightningModule (without importing either)."""
+    return any(
+        c.__name__ == "LightningModule" and c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
+        for c in type(module).__mro__
+    )
+
+
 def bookkeeping_hooks(module: nn.Module, installed: bool = False) -> list[tuple[Any, str]]:
     """The methods to run eagerly: Lightning's logging and every torchmetrics metric's forward.
 
@@ -25,7 +33,8 @@ def bookkeeping_hooks(module: nn.Module, installed: bool = False) -> list[tuple[
     """
     from torchmetrics import Metric
 
-    hooks: list[tuple[Any, str]] = [(module, hook) for hook in LOGGING_HOOKS if hasattr(module, hook)]
+    logging = LOGGING_HOOKS if is_lightning_module(module) else ()  # a plain module's own `log` is its business
+    hooks: list[tuple[Any, str]] = [(module, hook) for hook in logging if hasattr(module, hook)]
     hooks += [(m, "forward") for m in module.modules() if isinstance(m, Metric)]
     return [(owner, hook) for owner, hook in hooks if (hook in owner.__dict__) == installed]
 
