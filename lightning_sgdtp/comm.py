@@ -9,7 +9,8 @@ first wait (buckets travel back to back), and the results are copied back into t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,3 +54,35 @@ def all_reduce_flat(
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
     return sent
+
+
+# ------------------------------------------------------------------------------- guarded object collectives
+def barrier(guard: Callable[[str], Any], name: str = "", device: torch.device | None = None) -> None:
+    """All ranks meet (no-op without a process group); a lost peer is named by ``guard``."""
+    if not dist.is_initialized():
+        return
+    with guard(f"barrier {name}".strip()):
+        if dist.get_backend() == "nccl" and device is not None:
+            dist.barrier(device_ids=[device.index])
+        else:
+            dist.barrier()
+
+
+def broadcast_object(guard: Callable[[str], Any], obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (itself without a process group)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    with guard("broadcast"):
+        dist.broadcast_object_list(box, src)
+    return box[0]
+
+
+def all_gather_object(guard: Callable[[str], Any], obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    with guard("all_gather_object"):
+        dist.all_gather_object(out, obj)
+    return out

@@ -12,11 +12,14 @@ would try to connect to a dead process. So the process group's keys are namespac
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("lightning.pytorch.sgdtp")
 
 
 class RendezvousError(RuntimeError):
@@ -36,6 +39,7 @@ def init_process_group(
     """Create the default process group, waiting at most ``rendezvous_timeout`` seconds for the rendezvous."""
     if dist.is_initialized():
         return
+    log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
     os.environ["MASTER_ADDR"] = host
     os.environ["MASTER_PORT"] = str(port)
     timeout = timedelta(seconds=collective_timeout)

@@ -30,7 +30,6 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _sync_ddp_if_available,
 )
@@ -51,9 +50,10 @@ from torch.distributed.utils import _sync_module_states
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sgdtp import checkpoints, rendezvous
+from lightning_sgdtp import checkpoints, comm, rendezvous
 from lightning_sgdtp.checkpoints import ShardedCheckpoints
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.engine.base import EngineInputs, StepEngine
 from lightning_sgdtp.engine.compiled import CompiledStep
 from lightning_sgdtp.engine.pipelined import PipelinedStep
 from lightning_sgdtp.engine.prepare import is_tensor_parallel
@@ -64,7 +64,7 @@ from lightning_sgdtp.layout import ParallelLayout
 from lightning_sgdtp.ledger import GradLedger
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
 from lightning_sgdtp.preemption import Preempted, PreemptionCoordinator
-from lightning_sgdtp.report import PlanReport, log, plan_dict
+from lightning_sgdtp.report import PlanReport, plan_dict
 from lightning_sgdtp.resume import ResumableLoader
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -164,7 +164,7 @@ class SGDTPStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._layout: ParallelLayout | None = None
         self._mesh: Any | None = None
-        self._engine: CompiledStep | PipelinedStep | None = None
+        self._engine: StepEngine | None = None
         self._report = PlanReport()
         self._guard = FaultGuard(config.collective_timeout, step=self._global_step)
         self._preemption: PreemptionCoordinator | None = None
@@ -218,7 +218,7 @@ class SGDTPStrategy(ParallelStrategy):
         return self._layout
 
     @property
-    def engine(self) -> CompiledStep | PipelinedStep | None:
+    def engine(self) -> StepEngine | None:
         """What runs the steps: the compiled engine or the pipelined one (chosen at setup)."""
         return self._engine
 
@@ -267,15 +267,9 @@ class SGDTPStrategy(ParallelStrategy):
     def plan(self) -> dict[str, Any]:
         """Everything the plugin decided, as plain data (also written to ``sgdtp_plan.json`` next to the logs)."""
         return plan_dict(
-            self._config,
-            self._layout,
-            self._engine,
-            self._report.graph_breaks,
-            world_size=self.world_size,
-            dp_size=self.dp_size,
-            num_nodes=self.num_nodes,
-            process_group_backend=self._process_group_backend,
-        )
+            self._config, self._layout, self._engine, self._report.graph_breaks, world_size=self.world_size,
+            dp_size=self.dp_size, num_nodes=self.num_nodes, process_group_backend=self._process_group_backend,
+        )  # fmt: skip
 
     def _global_step(self) -> int:
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -318,27 +312,16 @@ class SGDTPStrategy(ParallelStrategy):
         requeue = isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None
         if requeue and self._preemption is None:
             self._preemption = PreemptionCoordinator(env.requeue_signal)
-        if not dist.is_initialized():
-            log.info(
-                f"Initializing distributed: GLOBAL_RANK: {self.global_rank}, MEMBER: {self.global_rank + 1}/{expected}"
-            )
-            rendezvous.init_process_group(
-                env.main_address,
-                env.main_port,
-                self.global_rank,
-                expected,
-                self._process_group_backend,
-                collective_timeout=self._config.collective_timeout,
-                rendezvous_timeout=self._config.rendezvous_timeout,
-                device_id=self.root_device if self.root_device.type != "cpu" else None,
-            )
+        config, device = self._config, self.root_device
+        rendezvous.init_process_group(
+            env.main_address, env.main_port, self.global_rank, expected, self._process_group_backend,
+            config.collective_timeout, config.rendezvous_timeout, device if device.type != "cpu" else None,
+        )  # fmt: skip
         self._guard.start(env.main_address, env.main_port, self.global_rank, expected)
         if self._layout is None:  # sizes, the rank grid (topology), the device mesh: one line each
-            world, device_type = self.world_size, self.root_device.type
-            self._layout, lines = ParallelLayout.for_cluster(
-                self._config, world, self.num_processes, self.num_nodes, device_type
-            )
-            self._mesh = self._layout.build_mesh(device_type)
+            args = (config, self.world_size, self.num_processes, self.num_nodes, device.type)
+            self._layout, lines = ParallelLayout.for_cluster(*args)
+            self._mesh = self._layout.build_mesh(device.type)
             for line in lines:
                 self._report.say(line)
 
@@ -386,22 +369,16 @@ class SGDTPStrategy(ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _engine_for(self, module: pl.LightningModule | None) -> CompiledStep | PipelinedStep:
+    def _engine_for(self, module: pl.LightningModule | None) -> StepEngine:
         """The engine of this module, made once: the pipelined one with pipeline options, else the compiled one."""
         assert module is not None and self._layout is not None
         if self._engine is None or self._engine.module is not module:
             engine_cls = PipelinedStep if self._config.pipelined else CompiledStep
-            self._engine = engine_cls(
-                module,
-                self._config,
-                self._layout,
-                self._mesh,
-                self.root_device,
-                self._report,
-                self._guard,
-                self._preemption,
+            inputs = EngineInputs(
+                self._config, self._layout, self._mesh, self.root_device, self._report, self._guard, self._preemption,
                 self._process_group_backend,
-            )
+            )  # fmt: skip
+            self._engine = engine_cls(module, inputs)
         return self._engine
 
     # --------------------------------------------------------------------------------------------- steps
@@ -543,22 +520,11 @@ class SGDTPStrategy(ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        with self._guard(f"barrier {args[0] if args else ''}".strip()):
-            if dist.get_backend() == "nccl":
-                dist.barrier(device_ids=[self.root_device.index])
-            else:
-                dist.barrier()
+        comm.barrier(self._guard, args[0] if args else "", self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        with self._guard("broadcast"):
-            dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return comm.broadcast_object(self._guard, obj, src)
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
@@ -577,15 +543,8 @@ class SGDTPStrategy(ParallelStrategy):
         def progress() -> tuple[int, int]:
             return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
-        return ResumableLoader(dataloader, progress, self._all_gather_object, self.global_rank, self.world_size)
-
-    def _all_gather_object(self, obj: Any) -> list[Any]:
-        if not _distributed_is_initialized() or self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        with self._guard("all_gather_object"):
-            dist.all_gather_object(out, obj)
-        return out
+        gather = lambda obj: comm.all_gather_object(self._guard, obj)
+        return ResumableLoader(dataloader, progress, gather, self.global_rank, self.world_size)
 
     # ------------------------------------------------------------------------------------------- faults
     @override

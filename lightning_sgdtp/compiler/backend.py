@@ -33,7 +33,6 @@ from lightning_sgdtp.compiler.buckets import GraphBuckets, insert_bucketed_allre
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 
 PASS_VERSION = "sgdtp-grad-buckets-v1"
-PLAN_VERSION = PASS_VERSION  # transitional: strategy.py still imports the old name; remove once it adopts PASS_VERSION
 OVERLAP_PASSES = ["reorder_communication_preserving_peak_memory", "sink_waits_iterative"]
 
 

@@ -233,6 +233,3 @@ def insert_bucketed_allreduce(
     graph.lint()
     gm.recompile()
     return decided
-
-
-GraphPlan = GraphBuckets  # transitional: strategy.py still imports the old name; remove once it adopts GraphBuckets

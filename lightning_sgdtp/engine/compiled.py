@@ -27,55 +27,22 @@ from torch.distributed.utils import _sync_params_and_buffers
 
 from lightning_sgdtp import compile_cache
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
-from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.config import SGDTPConfigError
+from lightning_sgdtp.engine.base import BROADCAST_BUCKET_BYTES, EngineInputs, StepEngine
 from lightning_sgdtp.engine.prepare import PartPreparation, is_tensor_parallel, prepare_part
 from lightning_sgdtp.engine.step_compile import compile_step, restore_bookkeeping, run_bookkeeping_eagerly
-from lightning_sgdtp.faults import FaultGuard
 from lightning_sgdtp.grad_sync import GradSync
-from lightning_sgdtp.layout import ParallelLayout
 from lightning_sgdtp.parallel.checkpointing import block_names
 from lightning_sgdtp.parallel.clipping import clip_grad_norm_
 from lightning_sgdtp.parallel.tensor import TensorPlan, TensorPlanError, auto_plan, resolve_plan
-from lightning_sgdtp.preemption import PreemptionCoordinator
-from lightning_sgdtp.report import PlanReport
-
-BROADCAST_BUCKET_BYTES = 250 * 2**20
 
 
-class CompiledStep:
-    """Runs the LightningModule's steps compiled through the ``"sgdtp"`` backend.
+class CompiledStep(StepEngine):
+    """Runs the LightningModule's steps compiled through the ``"sgdtp"`` backend (mesh: ``("dp", "tp")`` or None)."""
 
-    Args:
-        module: the LightningModule.
-        config: the options.
-        layout: pp x dp x tp sizes and the rank grid.
-        mesh: the 2-D ``DeviceMesh`` (``"dp"``, ``"tp"``), or None for data parallel alone.
-        device: this rank's device.
-        report: where decisions are logged and graphs announced.
-        guard: names the phase of each collective (faults).
-        preemption: SLURM's preemption agreement, or None.
-        process_group_backend: the backend's name (part of the compile cache's key).
-    """
-
-    def __init__(
-        self,
-        module: nn.Module,
-        config: SGDTPConfig,
-        layout: ParallelLayout,
-        mesh: Any | None,
-        device: torch.device,
-        report: PlanReport,
-        guard: FaultGuard,
-        preemption: PreemptionCoordinator | None = None,
-        process_group_backend: str | None = None,
-    ) -> None:
-        self.module, self.config, self.layout, self.mesh, self.device = module, config, layout, mesh, device
-        self.report, self.guard, self.preemption = report, guard, preemption
-        self.process_group_backend = process_group_backend
-        self.compiler: SGDTPCompiler | None = None
-        self.grad_sync: GradSync | None = None
+    def __init__(self, module: nn.Module, inputs: EngineInputs) -> None:
+        super().__init__(module, inputs)
         self.tensor_plan: TensorPlan | None = None
-        self.checkpointed: list[str] = []
         self.cache: compile_cache.CompileCache | None = None
         self._steps: dict[str, Callable] = {}
         self._compiled_for: tuple[int, bool] | None = None
@@ -174,7 +141,7 @@ class CompiledStep:
             num_nodes=layout.num_nodes,
             devices_per_node=layout.devices_per_node,
             rank_grid=layout.grid,
-            process_group_backend=self.process_group_backend,
+            process_group_backend=self.inputs.process_group_backend,
             tensor_parallel_plan=self.tensor_plan.to_dict() if self.tensor_plan is not None else None,
         )
         cache = compile_cache.CompileCache(
@@ -229,7 +196,8 @@ class CompiledStep:
 
     def before_backward(self, loss: Tensor) -> None:
         if self.grad_sync is not None:
-            self.grad_sync.before_backward(loss)
+            with self.guard("backward"):
+                self.grad_sync.before_backward(loss)
 
     def backward(self, run_backward: Callable[[], None]) -> None:
         """Lightning's backward (``run_backward``), then what the graphs did not average."""
@@ -242,9 +210,7 @@ class CompiledStep:
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer, rank: int) -> None:
         """The coverage proof; the compile cache is published once, after the first step (every graph of the
         step is compiled then)."""
-        if self.grad_sync is None:
-            return
-        self.grad_sync.at_optimizer_step(optimizer)
+        super().after_optimizer_step(optimizer, rank)
         if self.cache is not None and rank == 0 and not self._cache_published:
             self._cache_published = True
             message = self.cache.publish()
@@ -266,20 +232,10 @@ class CompiledStep:
             "graphs": graphs,
         }
 
-    def on_train_end(self) -> None:
-        """Nothing: every rank holds the whole model (or its shards) already."""
-
-    def local_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return state_dict
-
-    def full_state_dict(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        return state
-
     def close(self) -> None:
         """Forget the compiled steps and the gradient sync (a new fit compiles afresh)."""
         self._steps.clear()
-        if self.grad_sync is not None:
-            self.grad_sync.close()
+        super().close()
 
     def teardown(self, barrier: Callable[[str], None]) -> None:
         self._steps.clear()

@@ -27,45 +27,22 @@ from torch import Tensor, nn
 from torch.distributed.utils import _sync_params_and_buffers
 
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
-from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfigError
+from lightning_sgdtp.engine.base import BROADCAST_BUCKET_BYTES, EngineInputs, StepEngine
 from lightning_sgdtp.engine.prepare import PartPreparation, prepare_part
-from lightning_sgdtp.faults import FaultGuard
 from lightning_sgdtp.grad_sync import GradSync
-from lightning_sgdtp.layout import ParallelLayout
 from lightning_sgdtp.parallel.clipping import clip_pipeline_grad_norm_
 from lightning_sgdtp.parallel.pipeline import PipelineRunner, check_pipeline_contract, replay_logs, stages_per_rank
 from lightning_sgdtp.parallel.pipeline_split import PipelineSplit, PipelineSplitError, plan_pipeline_split
-from lightning_sgdtp.preemption import PreemptionCoordinator
-from lightning_sgdtp.report import PlanReport
-
-BROADCAST_BUCKET_BYTES = 250 * 2**20
 
 
-class PipelinedStep:
-    """Runs the LightningModule's steps through this rank's pipeline stages.
+class PipelinedStep(StepEngine):
+    """Runs the LightningModule's steps through this rank's pipeline stages (mesh: ``("pp", "dp")``)."""
 
-    Args: as :class:`~lightning_sgdtp.engine.compiled.CompiledStep`; ``mesh`` is the (``"pp"``, ``"dp"``) mesh.
-    """
-
-    def __init__(
-        self,
-        module: nn.Module,
-        config: SGDTPConfig,
-        layout: ParallelLayout,
-        mesh: Any,
-        device: torch.device,
-        report: PlanReport,
-        guard: FaultGuard,
-        preemption: PreemptionCoordinator | None = None,
-        process_group_backend: str | None = None,
-    ) -> None:
-        self.module, self.config, self.layout, self.mesh, self.device = module, config, layout, mesh, device
-        self.report, self.guard, self.preemption = report, guard, preemption
-        self.compiler: SGDTPCompiler | None = None
-        self.grad_sync: GradSync | None = None
+    def __init__(self, module: nn.Module, inputs: EngineInputs) -> None:
+        super().__init__(module, inputs)
         self.runner: PipelineRunner | None = None
         self.split: PipelineSplit | None = None
-        self.checkpointed: list[str] = []
         self._zero_grad: Callable[..., Any] | None = None
 
     @property
@@ -156,9 +133,6 @@ class PipelinedStep:
             self.report.say("one pipeline: no data-parallel gradient sync; activations travel stage to stage")
 
     # ------------------------------------------------------------------------------------------- steps
-    def implicit_replication(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
     def training_step(self, args: tuple, kwargs: dict, trainer: Any, optimizers: list) -> Tensor:
         batch, batch_idx = _batch_and_index(args, kwargs)
         accumulate = trainer.accumulate_grad_batches
@@ -202,19 +176,12 @@ class PipelinedStep:
             with self.guard("broadcast_buffers"):
                 _sync_params_and_buffers(self.dp_group, buffers, BROADCAST_BUCKET_BYTES, 0)  # src: group rank 0
 
-    def before_backward(self, loss: Tensor) -> None:
-        """Nothing: the schedule ran every micro-batch's backward inside training_step."""
-
     def backward(self, run_backward: Callable[[], None]) -> None:
         """At the last micro-step of an optimizer step: what no graph averaged, tied sums (``run_backward`` is not
         called: the schedule ran backward already; Lightning's hooks around it still run)."""
         assert self.runner is not None and self.grad_sync is not None
         with self.guard("pipeline gradient sync"):
             self.grad_sync.after_pipeline_backward(self.runner.local_parameters, self.runner.sum_tied_gradients)
-
-    def after_optimizer_step(self, optimizer: torch.optim.Optimizer, rank: int) -> None:
-        if self.grad_sync is not None:
-            self.grad_sync.at_optimizer_step(optimizer)
 
     def on_train_end(self) -> None:
         """After fit every rank holds the whole trained model, as with data parallel."""
@@ -264,10 +231,6 @@ class PipelinedStep:
         if self._zero_grad is not None:
             self.module.__dict__.pop("optimizer_zero_grad", None)
             self._zero_grad = None
-
-    def close(self) -> None:
-        if self.grad_sync is not None:
-            self.grad_sync.close()
 
 
 def _batch_and_index(args: tuple, kwargs: dict) -> tuple[Any, int]:

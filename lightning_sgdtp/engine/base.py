@@ -1,0 +1,128 @@
+"""What both engines are handed, and the interface the strategy calls them through.
+
+An engine gets plain inputs (:class:`EngineInputs`: options, layout, mesh, device, the report, the fault guard,
+the preemption agreement), never the strategy; the strategy calls only the methods of :class:`StepEngine`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sgdtp.compiler.backend import SGDTPCompiler
+from lightning_sgdtp.config import SGDTPConfig
+from lightning_sgdtp.faults import FaultGuard
+from lightning_sgdtp.grad_sync import GradSync
+from lightning_sgdtp.layout import ParallelLayout
+from lightning_sgdtp.preemption import PreemptionCoordinator
+from lightning_sgdtp.report import PlanReport
+
+#: Bucket size of the eager parameter/buffer broadcasts (as DDP's).
+BROADCAST_BUCKET_BYTES = 250 * 2**20
+
+#: ``clip(parameters, max_norm)``: clipping by the norm over every shard or stage (the precision plugin calls it).
+Clip = Callable[[list[Tensor], float], Any]
+
+
+@dataclass(frozen=True)
+class EngineInputs:
+    """Everything an engine needs besides the module.
+
+    Args:
+        config: the options.
+        layout: pp x dp x tp sizes and the rank grid.
+        mesh: the 2-D ``DeviceMesh`` (``("dp", "tp")`` or ``("pp", "dp")``), or None for data parallel alone.
+        device: this rank's device.
+        report: where decisions are logged and graphs announced.
+        guard: names the phase of each collective (faults).
+        preemption: SLURM's preemption agreement, or None.
+        process_group_backend: the backend's name (part of the compile cache's key).
+    """
+
+    config: SGDTPConfig
+    layout: ParallelLayout
+    mesh: Any | None
+    device: torch.device
+    report: PlanReport
+    guard: FaultGuard
+    preemption: PreemptionCoordinator | None = None
+    process_group_backend: str | None = None
+
+
+class StepEngine(ABC):
+    """Runs the LightningModule's steps one way. Subclasses: the compiled and the pipelined engine."""
+
+    def __init__(self, module: nn.Module, inputs: EngineInputs) -> None:
+        self.module, self.inputs = module, inputs
+        self.config, self.layout, self.mesh, self.device = inputs.config, inputs.layout, inputs.mesh, inputs.device
+        self.report, self.guard, self.preemption = inputs.report, inputs.guard, inputs.preemption
+        self.compiler: SGDTPCompiler | None = None
+        self.grad_sync: GradSync | None = None
+        #: Blocks wrapped for activation checkpointing (names).
+        self.checkpointed: list[str] = []
+
+    # ------------------------------------------------------------------------------------------ setup
+    @abstractmethod
+    def parallelize(self) -> Clip | None:
+        """Lay the module out (any trainer function). Returns the clipping function, or None for Lightning's."""
+
+    @abstractmethod
+    def setup_training(self, accumulate: int) -> None:
+        """What training adds (``trainer.fit`` only): the backend, the gradient sync, their log lines."""
+
+    # ------------------------------------------------------------------------------------------ steps
+    @abstractmethod
+    def training_step(self, args: tuple, kwargs: dict, trainer: Any, optimizers: list) -> Any:
+        """One ``training_step``; returns what Lightning expects from it."""
+
+    @abstractmethod
+    def eval_step(
+        self, hook: str, args: tuple, kwargs: dict, default: Callable[[], Any], context: Callable[[], Any]
+    ) -> Any:
+        """``validation_step``/``test_step``/``predict_step``; ``default`` runs Lightning's own."""
+
+    def before_backward(self, loss: Tensor) -> None:
+        """Lightning's ``pre_backward``."""
+
+    @abstractmethod
+    def backward(self, run_backward: Callable[[], None]) -> None:
+        """Lightning's backward (``run_backward``) and the gradient sync around it."""
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer, rank: int) -> None:
+        """The coverage proof of the step (and what else an engine publishes after it)."""
+        if self.grad_sync is not None:
+            self.grad_sync.at_optimizer_step(optimizer)
+
+    def on_train_end(self) -> None:
+        """After ``fit``."""
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def local_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The entries of ``state_dict`` this rank writes into a sharded checkpoint."""
+        return state_dict
+
+    def full_state_dict(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``state`` completed with what other ranks hold (a collective where anything is missing)."""
+        return state
+
+    # ------------------------------------------------------------------------------------------- plan
+    @abstractmethod
+    def plan(self) -> dict[str, Any]:
+        """The engine's part of ``strategy.plan``: tensor_parallel_plan, pipeline, activation_checkpointing, graphs."""
+
+    def implicit_replication(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Forget the gradient sync (its hooks on the parameters)."""
+        if self.grad_sync is not None:
+            self.grad_sync.close()
+
+    def teardown(self, barrier: Callable[[str], None]) -> None:
+        """End of a trainer function: undo what was installed on the module."""
