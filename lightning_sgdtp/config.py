@@ -18,6 +18,9 @@ TP_STYLES = ("colwise", "rowwise", "colwise_gather", "replicate")
 GRAD_COMM_DTYPES = {"fp32": None, "float32": None, "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
 class SGDTPConfigError(ValueError):
     """An option given to lightning-sgdtp is invalid. The message says which one and how to fix it."""
 
@@ -332,3 +335,19 @@ class SGDTPConfig:
             raise SGDTPConfigError(f"unknown option(s) {sorted(unknown)}. Known options: {sorted(fields)}.")
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+def check_trainer_plugins(precision_plugin: str | None, sync_batchnorm: bool) -> None:
+    """What the Trainer adds that the strategy cannot run: ``precision_plugin`` is the name of an unsupported
+    precision plugin class (None: a supported one); ``sync_batchnorm`` is ``Trainer(sync_batchnorm=True)``."""
+    if precision_plugin is not None:
+        raise SGDTPConfigError(
+            f"precision plugin {precision_plugin} is not supported by the sgdtp strategy. Use Trainer(precision=...)"
+            f" with one of {', '.join(SUPPORTED_PRECISION)}."
+        )
+    if sync_batchnorm:
+        raise NotAvailableYetError(
+            "Trainer(sync_batchnorm=True) is not available yet with the sgdtp strategy (SyncBatchNorm's"
+            " forward collectives are not in the compiled step). Remove sync_batchnorm=True (buffers are still"
+            " broadcast from rank 0 each step, as broadcast_buffers=True), or use strategy='ddp'."
+        )

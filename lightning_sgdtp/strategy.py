@@ -52,7 +52,7 @@ from typing_extensions import override
 
 from lightning_sgdtp import checkpoints, comm, rendezvous
 from lightning_sgdtp.checkpoints import ShardedCheckpoints
-from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError, check_trainer_plugins
 from lightning_sgdtp.engine.base import EngineInputs, StepEngine
 from lightning_sgdtp.engine.compiled import CompiledStep
 from lightning_sgdtp.engine.pipelined import PipelinedStep
@@ -67,7 +67,6 @@ from lightning_sgdtp.preemption import Preempted, PreemptionCoordinator
 from lightning_sgdtp.report import PlanReport, plan_dict
 from lightning_sgdtp.resume import ResumableLoader
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _OPTIONS = frozenset(SGDTPConfig.__dataclass_fields__)
 _BROADCAST_BUCKET_BYTES = 250 * 2**20
 
@@ -278,17 +277,9 @@ class SGDTPStrategy(ParallelStrategy):
     # ---------------------------------------------------------------------------------------- processes
     @override
     def _configure_launcher(self) -> None:
-        if type(self.precision_plugin) not in (Precision, MixedPrecision, HalfPrecision):
-            raise SGDTPConfigError(
-                f"precision plugin {type(self.precision_plugin).__name__} is not supported by the sgdtp strategy."
-                f" Use Trainer(precision=...) with one of {', '.join(SUPPORTED_PRECISION)}."
-            )
-        if self._layer_sync is not None:
-            raise NotAvailableYetError(
-                "Trainer(sync_batchnorm=True) is not available yet with the sgdtp strategy (SyncBatchNorm's"
-                " forward collectives are not in the compiled step). Remove sync_batchnorm=True (buffers are still"
-                " broadcast from rank 0 each step, as broadcast_buffers=True), or use strategy='ddp'."
-            )
+        plugin = type(self.precision_plugin)
+        supported = plugin in (Precision, MixedPrecision, HalfPrecision)
+        check_trainer_plugins(None if supported else plugin.__name__, self._layer_sync is not None)
         assert self.cluster_environment is not None
         # Sizes that cannot work fail here, before any process starts.
         ParallelLayout.resolve(self._config, self.num_nodes * self.num_processes, self.num_processes, self.num_nodes)
