@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from lightning_sgdtp.engine.step_compile import bookkeeping_eagerly, is_lightning_module
+from lightning_sgdtp.engine.step_compile import bookkeeping_eagerly, is_lightning_module, overrides
 
 #: ``make_args(batch, batch_idx)``: the positional arguments of one call of the step.
 MakeArgs = Callable[[Any, int], tuple[Any, ...]]
@@ -62,7 +62,7 @@ class DiagnoseContext:
         if step_fn is not None:
             label = getattr(step_fn, "__qualname__", None) or type(step_fn).__name__
             target, fn, make_args = f"{label} (step_fn of {name})", step_fn, _batch_only
-        elif lightning and _overrides(module, "training_step"):
+        elif lightning and overrides(module, "training_step"):
             target, fn, make_args = f"{name}.training_step", module.training_step, _batch_and_idx
         else:
             target, fn, make_args = f"{name}.forward", module, _forward_args
@@ -97,13 +97,6 @@ def _batch_and_idx(batch: Any, batch_idx: int) -> tuple[Any, ...]:
 
 def _forward_args(batch: Any, batch_idx: int) -> tuple[Any, ...]:
     return tuple(batch) if isinstance(batch, tuple) else (batch,)
-
-
-def _overrides(module: nn.Module, method: str) -> bool:
-    for cls in type(module).__mro__:
-        if method in cls.__dict__:
-            return cls.__name__ != "LightningModule"
-    return False
 
 
 # --------------------------------------------------------------------------------------------- running the step

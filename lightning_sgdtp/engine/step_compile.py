@@ -26,6 +26,14 @@ def is_lightning_module(module: Any) -> bool:
     )
 
 
+def overrides(module: nn.Module, method: str) -> bool:
+    """Whether the LightningModule's class defines ``method`` itself (not only Lightning's default)."""
+    for cls in type(module).__mro__:
+        if method in cls.__dict__:
+            return cls.__name__ != "LightningModule"
+    return False
+
+
 def bookkeeping_hooks(module: nn.Module, installed: bool = False) -> list[tuple[Any, str]]:
     """The methods to run eagerly: Lightning's logging and every torchmetrics metric's forward.
 

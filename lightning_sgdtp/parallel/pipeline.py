@@ -122,9 +122,9 @@ def capture_forward_inputs(module: nn.Module, hook: str, batch: Any, batch_idx: 
 
 def check_pipeline_contract(module: nn.Module) -> None:
     """What can be checked before the first batch: the LightningModule defines the steps the pipeline runs."""
-    from lightning.pytorch import LightningModule
+    from lightning_sgdtp.engine.step_compile import overrides
 
-    if type(module).training_step is LightningModule.training_step:
+    if not overrides(module, "training_step"):
         raise PipelineContractError(
             f"{type(module).__name__} defines no training_step: with pipeline parallelism training_step(batch,"
             " batch_idx) must call self(inputs) once and return the loss computed from its output."
@@ -135,7 +135,7 @@ def check_pipeline_contract(module: nn.Module) -> None:
             " parallelism the schedule runs forward and backward of every micro-batch itself, so training_step cannot"
             " call manual_backward. Use automatic optimization, or train without pipeline_stages."
         )
-    if type(module).forward is LightningModule.forward:
+    if not overrides(module, "forward"):
         raise PipelineContractError(
             f"{type(module).__name__} defines no forward: the pipeline traces forward(inputs) and cuts it into stages;"
             " define forward to run the model (e.g. return self.model(x))."
