@@ -1,0 +1,81 @@
+"""Data-parallel parity: train the scenario's model with Lightning's DDP and with sgdtp, in the same processes.
+
+Usage: python tests/distributed/jobs/dp_parity.py OUT_DIR [SCENARIO], with the scenario (JSON; else
+OUT_DIR/scenario.json) = {"model": a name in helpers.models.MODELS, "trainer": Trainer kwargs, "sgdtp":
+SGDTPStrategy kwargs}; e.g. `python tests/distributed/jobs/dp_parity.py /tmp/x '{"model": "BreaksModel"}'`. Lightning's launcher starts the
+second rank by running this script again. Rank 0 writes OUT_DIR/{init,ref,sgdtp}.pt (parameters),
+OUT_DIR/{ref_grads,grads}.pt (first-step gradients) and OUT_DIR/info.json (the plan, backward and sync counts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from helpers.models import MODELS, token_data
+from helpers.training import FirstStepGrads, params, quiet_trainer, read_scenario
+
+from lightning_sgdtp import SGDTPStrategy
+
+
+class CountBackwardsAndSyncs(L.Callback):
+    """Backward calls (Lightning's ``on_before_backward``, once per backward) and gradient syncs (calls of the
+    strategy's ledger ``sync``, counted from the start of training)."""
+
+    def __init__(self) -> None:
+        self.counts = {"backwards": 0, "syncs": 0}
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        ledger = trainer.strategy.ledger
+        sync = ledger.sync
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.counts["syncs"] += 1
+            return sync(*args, **kwargs)
+
+        ledger.sync = counted
+
+    def on_before_backward(self, trainer: L.Trainer, module: L.LightningModule, loss: torch.Tensor) -> None:
+        self.counts["backwards"] += 1
+
+
+def main(out: Path) -> None:
+    scenario = read_scenario(out, sys.argv[2] if len(sys.argv) > 2 else None)
+    factory, trainer_kwargs = MODELS[scenario["model"]], scenario.get("trainer", {})
+    data = token_data()
+
+    L.seed_everything(0, verbose=False)
+    ref_model = factory()
+    init = params(ref_model)
+    ref_grads, grads = FirstStepGrads(), FirstStepGrads()
+    ref = quiet_trainer("ddp_find_unused_parameters_true", out / "ref", callbacks=[ref_grads], **trainer_kwargs)
+    ref.fit(ref_model, data)
+
+    L.seed_everything(0, verbose=False)
+    model = factory()
+    strategy = SGDTPStrategy(**scenario.get("sgdtp", {}))
+    counter = CountBackwardsAndSyncs()
+    run = quiet_trainer(strategy, out / "sgdtp", callbacks=[grads, counter], **trainer_kwargs)
+    run.fit(model, data)
+
+    if run.global_rank == 0:
+        torch.save(init, out / "init.pt")
+        torch.save(ref_grads.grads, out / "ref_grads.pt")
+        torch.save(grads.grads, out / "grads.pt")
+        torch.save(params(ref_model), out / "ref.pt")
+        torch.save(params(model), out / "sgdtp.pt")
+        (out / "info.json").write_text(json.dumps({"plan": strategy.plan, **counter.counts}, default=str))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
+    os._exit(0) if os.environ.get("SGDTP_FAST_EXIT") else None

@@ -1,0 +1,71 @@
+"""`compile_cache`: one rank per node compiles while the other waits; a later job starts warm from the verified
+bundle, with the same parameters; a tampered bundle is ignored, never half-used.
+
+Each job gets a fresh, empty Inductor cache folder (TORCHINDUCTOR_CACHE_DIR), as a job on a new node has; the
+jobs report the FX-graph and AOTAutograd cache hits and misses of each rank (the proof); what the cache did with
+the bundle (wrote, loaded, rejected) is only in the log so far (TEST_CHANGES.md: wanted plan["compile_cache"]).
+
+Also here: Inductor's own caches, filled by a plain compile, never give sgdtp a backward without collectives.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from helpers.launch import run_job
+
+JOB = "compile_cache.py"
+
+
+def _job(cache: Path, out: Path, name: str) -> tuple[str, list[dict]]:
+    result = run_job(JOB, str(cache), str(out), name, TORCHINDUCTOR_CACHE_DIR=str(out / f"inductor-{name}"))
+    stats = [json.loads((out / f"{name}-{rank}.json").read_text()) for rank in (0, 1)]
+    return result.stdout, stats
+
+
+def _equal(out: Path, a: str, b: str) -> bool:
+    pa, pb = torch.load(out / f"{a}.pt"), torch.load(out / f"{b}.pt")
+    return all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_cold_then_warm_then_tampered(tmp_path: Path) -> None:
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    log, cold = _job(cache, out, "cold")
+    # log wording (the bundle's fate is not in the plan yet): a cold start compiles and writes the bundle
+    assert "this job compiles and writes it" in log and "compile cache: wrote bundle" in log, log[-3000:]
+    graphs = [s["fxgraph_cache_hit"] + s["fxgraph_cache_miss"] for s in cold]
+    # Each graph (forward, backward) was compiled once on the node: by whichever rank came first, while the
+    # other waited and then took it from the node's cache.
+    assert graphs[0] == graphs[1] >= 2 and sum(s["fxgraph_cache_miss"] for s in cold) == graphs[0], cold
+    (bundle,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert (bundle / "SGDTP-MANIFEST.json").exists() and (bundle / "SGDTP-CACHE-KEY.json").exists()
+
+    log, warm = _job(cache, out, "warm")
+    assert "verified and loaded" in log and "taken from the compile cache" in log, log[-3000:]
+    assert all(s["fxgraph_cache_miss"] == 0 and s["autograd_cache_hit"] > 0 for s in warm), warm
+    assert all(s["graphs"] == cold[0]["graphs"] for s in warm), (warm, cold)  # the plan is reported all the same
+    assert _equal(out, "cold", "warm"), "a warm start must train exactly like a cold one"
+
+    victim = max((p for p in bundle.rglob("*.so")), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    log, tampered = _job(cache, out, "tampered")
+    assert "ignored" in log and "SHA256 check failed" in log and victim.name in log, log[-3000:]
+    assert sum(s["fxgraph_cache_miss"] for s in tampered) > 0 and all(s["autograd_cache_hit"] == 0 for s in tampered)
+    assert _equal(out, "cold", "tampered")
+    assert "compile cache: wrote bundle" in log, "the rejected bundle is replaced by this job's"
+    assert [p.name for p in cache.iterdir() if ".rejected-" in p.name], "and kept aside, for inspection"
+    log, rewarmed = _job(cache, out, "rewarmed")
+    assert "verified and loaded" in log and all(s["fxgraph_cache_miss"] == 0 for s in rewarmed), log[-3000:]
+
+
+def test_compile_cache_never_returns_a_backward_without_collectives(tmp_path: Path) -> None:
+    """Plain Inductor compiles the model first and fills AOTAutograd's cache; sgdtp must not reuse it."""
+    run_job("cache_pollution.py", str(tmp_path))
+    info = json.loads((tmp_path / "cache.json").read_text())
+    assert info["autograd_cache_saved"] >= 1, "the plain compile did not fill the cache: the test proves nothing"
+    assert sum(info["local_differs"]) >= 3, "ranks must see different gradients, else syncing proves nothing"
+    assert info["synced"] and all(info["synced"]), info

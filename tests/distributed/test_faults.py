@@ -1,0 +1,147 @@
+"""A rank that dies, raises or hangs ends the job within a bounded time, with an error naming it.
+
+Three ranks, each its own process as on a cluster (NODE_RANK=0..2, devices=1, num_nodes=3), train with
+collective_timeout=5 s. When all three reach step 3, rank 1 is SIGKILLed (``kill``), raises (``raise``) or
+sleeps for an hour outside any collective (``hang``). Every process must exit non-zero within the bound, the
+survivors must name rank 1, and no process of the job may be left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.launch import JOBS, REPO, finish, free_port, job_env, start
+
+TIMEOUT = 5.0  # collective_timeout given to the job
+# kill/raise: the failure is seen at once, plus the diagnosis (~2.5 s) and Python's exit.
+# hang: the survivors wait collective_timeout, then the stuck rank ends itself after its grace period.
+BOUND = {"kill": 15.0, "raise": 15.0, "hang": 3 * TIMEOUT + 20.0}
+EXPECT = {
+    "kill": "rank 1 (host {host}, pid {pid}) was lost",
+    "raise": "rank 1 (host {host}, pid {pid}) failed",
+    "hang": "rank 1 (host {host}, pid {pid}) is alive but did not join the collective",
+}
+
+
+def _group_alive(pgid: int) -> bool:
+    """Is any process of session/group ``pgid`` still running? Zombies (dead, not yet reaped by init) do not count."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state != "Z":
+            return True
+    return False
+
+
+@pytest.mark.parametrize("mode", ["kill", "raise", "hang"])
+def test_a_lost_rank_ends_the_job_in_bounded_time(tmp_path: Path, mode: str) -> None:
+    port = str(free_port())
+    cmd = [sys.executable, str(JOBS / "faults.py"), mode, "1", str(tmp_path)]
+    env = {"MASTER_PORT": port, "SGDTP_TEST_TIMEOUT": str(TIMEOUT), "SGDTP_TEST_WORLD": "3"}
+    procs = [start(cmd, env=job_env(NODE_RANK=str(rank), **env)) for rank in range(3)]
+    try:
+        deadline = time.monotonic() + 300
+        while not all((tmp_path / f"step-{r}").exists() for r in range(3)):
+            assert all(p.poll() is None for p in procs), [finish(p, 5)[0][-3000:] for p in procs]
+            assert time.monotonic() < deadline, "the job never reached step 3"
+            time.sleep(0.1)
+        victim_pid = int((tmp_path / "step-1").read_text())
+        struck = time.monotonic()
+        if mode == "kill":
+            os.kill(victim_pid, signal.SIGKILL)
+        ended: dict[int, float] = {}
+        while len(ended) < 3 and time.monotonic() - struck < BOUND[mode] + 30:
+            for rank, proc in enumerate(procs):
+                if rank not in ended and proc.poll() is not None:
+                    ended[rank] = time.monotonic() - struck
+            time.sleep(0.1)
+        # Before the test reaps anything: every process of each rank's session (compile workers too) is gone.
+        time.sleep(1.0)
+        left = [rank for rank, p in enumerate(procs) if _group_alive(p.pid)]
+    finally:
+        outputs = [finish(p, 10)[0] for p in procs]
+    tails = "\n".join(f"--- rank {r} (rc={p.returncode}):\n{o[-2500:]}" for r, (p, o) in enumerate(zip(procs, outputs)))
+    assert sorted(ended) == [0, 1, 2], f"ranks {sorted(set(range(3)) - set(ended))} did not end:\n{tails}"
+    assert all(p.returncode != 0 for p in procs), tails
+    assert max(ended.values()) <= BOUND[mode], f"ended after {ended} s, bound {BOUND[mode]} s:\n{tails}"
+    # The error is the feature: the survivors name the lost rank, its host and pid (RankLostError's message).
+    expected = EXPECT[mode].format(host=os.uname().nodename, pid=victim_pid)
+    for rank in (0, 2):
+        assert "RankLostError" in outputs[rank] and expected in outputs[rank], tails
+    if mode == "hang":
+        assert "rank 1 is ending itself: the job has failed" in outputs[1], tails
+    assert not left, f"processes of ranks {left} were left behind"
+
+
+@pytest.mark.parametrize(
+    ("rank", "addr", "expect"),
+    [
+        (1, "127.0.0.1", "rank 1 tried to reach the rendezvous store"),  # nobody listens on the port
+        (1, "10.255.255.1", "rank 1 tried to reach the rendezvous store"),  # an address no packet reaches
+        (0, "127.0.0.1", "rank 0 hosts the rendezvous store"),  # the other rank never comes
+    ],
+    ids=["closed-port", "unroutable-address", "missing-rank"],
+)
+def test_bad_rendezvous_fails_in_bounded_time_naming_address_and_port(
+    tmp_path: Path, rank: int, addr: str, expect: str
+) -> None:
+    port = str(free_port())
+    env = job_env(NODE_RANK=str(rank), MASTER_ADDR=addr, MASTER_PORT=port, SGDTP_TEST_RENDEZVOUS="3")
+    env["SGDTP_TEST_WORLD"] = "2"
+    started = time.monotonic()
+    proc = start([sys.executable, str(JOBS / "faults.py"), "none", "-1", str(tmp_path)], env=env)
+    out, _, timed_out = finish(proc, timeout=120)
+    elapsed = time.monotonic() - started
+    assert not timed_out and proc.returncode != 0, out[-3000:]
+    assert "RendezvousError" in out and f"MASTER_ADDR={addr} MASTER_PORT={port}" in out, out[-3000:]
+    assert "rendezvous_timeout=3 s" in out and expect in out, out[-3000:]
+    assert elapsed < 60, f"took {elapsed:.0f} s"  # process start and imports included; the wait itself is 3 s
+
+
+def test_torchrun_world_size_not_matching_devices_fails_before_the_rendezvous(tmp_path: Path) -> None:
+    """torchrun starts 2 processes, the Trainer asks for devices=1: every process fails at once, saying so."""
+    env = job_env()
+    port = env.pop("MASTER_PORT")
+    env.pop("MASTER_ADDR")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d"]
+    cmd += [f"--rdzv-endpoint=127.0.0.1:{port}", str(REPO / "examples" / "train_gpt.py")]
+    cmd += ["--devices", "1", "--max_steps", "2", "--default_root_dir", str(tmp_path)]
+    proc = start(cmd, env=env)
+    out, _, timed_out = finish(proc, timeout=120)
+    assert not timed_out and proc.returncode != 0, out[-3000:]
+    assert "You set `devices=1` and `num_nodes=1` in Lightning, but the product (1 * 1) does not match the world" in out
+    assert "Initializing distributed" not in out, "the processes should fail before the rendezvous"
+
+
+def test_a_killed_child_of_lightnings_own_launch_ends_the_job(tmp_path: Path) -> None:
+    """`python train.py` with devices=3: Lightning starts ranks 1 and 2 itself. Killing rank 1 ends the whole job
+    (rank 0's observer or the strategy, whichever comes first) in bounded time, with rank 1 named."""
+    env = job_env(SGDTP_TEST_TIMEOUT=str(TIMEOUT), SGDTP_TEST_WORLD="1", SGDTP_TEST_DEVICES="3")
+    proc = start([sys.executable, str(JOBS / "faults.py"), "kill", "1", str(tmp_path)], env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not all((tmp_path / f"step-{r}").exists() for r in range(3)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job never reached step 3"
+            time.sleep(0.1)
+        os.kill(int((tmp_path / "step-1").read_text()), signal.SIGKILL)
+        struck = time.monotonic()
+        while proc.poll() is None and time.monotonic() - struck < BOUND["kill"] + 30:
+            time.sleep(0.1)
+        elapsed = time.monotonic() - struck
+        time.sleep(1.0)
+        left = _group_alive(proc.pid)
+    finally:
+        out = finish(proc, 10)[0]
+    assert proc.returncode != 0 and elapsed <= BOUND["kill"], (
+        f"rc={proc.returncode} after {elapsed:.1f} s:\n{out[-3000:]}"
+    )
+    assert "[rank: 1] Child process" in out or "rank 1 (host" in out, out[-3000:]
+    assert not left, "processes of the job were left behind"

@@ -1,0 +1,189 @@
+"""The example on a real (local) SLURM cluster: srun and sbatch, preemption and requeue, bad launches.
+
+`.ci/run` starts the cluster with `../shared/slurm/up.sh 2` (two slurmd "nodes", n1 and n2, on this host) and
+stops it afterwards. Without a cluster these tests skip, unless SGDTP_REQUIRE_SLURM=1 (CI), where they fail.
+Every run is compared with the same run launched by Lightning itself (no SLURM): parameters bitwise equal. What the
+strategy decided (ranks, nodes, mesh, pipelines) is read from the run's ``sgdtp_plan.json``; the cluster environment,
+the topology line and the preemption are only in the log so far (TEST_CHANGES.md lists the plan keys wanted).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.launch import REPO, free_port, job_env, read_plans, run
+
+EXAMPLE = str(REPO / "examples" / "train_gpt.py")
+SBATCH = str(REPO / "examples" / "slurm" / "train_gpt.sbatch")
+# A small model, and enough steps (about 10 s of training) to signal a job while it trains.
+ARGS = ["--max_steps", "150", "--n_layer", "2", "--n_embd", "64", "--block_size", "64", "--batch_size", "8"]
+ARGS += ["--limit_val_batches", "2", "--accelerator", "cpu"]
+
+
+def _slurm_up() -> bool:
+    if shutil.which("sinfo") is None or not os.environ.get("SLURM_CONF"):
+        return False
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "idle" in out.stdout
+
+
+if not _slurm_up():
+    if os.environ.get("SGDTP_REQUIRE_SLURM") == "1":
+        raise RuntimeError("SGDTP_REQUIRE_SLURM=1 but no SLURM cluster answers (run ../shared/slurm/up.sh 2)")
+    pytestmark = pytest.mark.skip(reason="no SLURM cluster: start one with ../shared/slurm/up.sh 2")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    # The "nodes" n1/n2 do not resolve: the rendezvous is on 127.0.0.1 (see ../shared/slurm/README.md).
+    return job_env(MASTER_ADDR="127.0.0.1", **extra)
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path)
+
+
+def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"parameters differ: {different[:5]}"
+
+
+def _assert_ranks(plan: dict, nodes: int, tasks: int) -> None:
+    """The plan's world: ``nodes`` x ``tasks`` ranks (what the strategy logs as "N ranks (nodes node(s) x tasks)")."""
+    assert (plan["world_size"], plan["num_nodes"]) == (nodes * tasks, nodes), plan
+    assert plan["world_size"] // plan["num_nodes"] == tasks
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The same training launched by Lightning itself: 2 processes on this machine."""
+    out = tmp_path_factory.mktemp("reference")
+    cmd = [sys.executable, EXAMPLE, *ARGS, "--devices", "2", "--default_root_dir", str(out)]
+    result = run([*cmd, "--save_weights", str(out / "w.pt")], env=job_env())
+    assert result.returncode == 0, result.stdout[-4000:]
+    return _weights(out / "w.pt")
+
+
+@pytest.mark.parametrize(("nodes", "tasks"), [(2, 1), (1, 2)], ids=["2nodes-x-1task", "1node-x-2tasks"])
+def test_srun_matches_lightning_launch(reference: dict, tmp_path: Path, nodes: int, tasks: int) -> None:
+    cmd = ["srun", f"-N{nodes}", f"--ntasks-per-node={tasks}", "-J", "sgdtp-test", "--kill-on-bad-exit=1"]
+    cmd += [sys.executable, EXAMPLE, *ARGS, "--devices", str(tasks), "--num_nodes", str(nodes)]
+    cmd += ["--default_root_dir", str(tmp_path), "--save_weights", str(tmp_path / "w.pt")]
+    result = run(cmd, env=_env())
+    assert result.returncode == 0, result.stdout[-4000:]
+    (plan,) = read_plans(tmp_path)
+    _assert_ranks(plan, nodes, tasks)
+    assert "from SLURMEnvironment" in result.stdout  # log wording: not in the plan yet (plan["cluster_environment"])
+    _assert_bitwise(reference, _weights(tmp_path / "w.pt"))
+
+
+def _job_state(job: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, check=False).stdout
+    return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+
+def _wait(predicate, timeout: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; job output:\n{log.read_text()[-4000:]}")
+        time.sleep(0.2)
+
+
+def test_sbatch_preempted_job_requeues_and_ends_like_an_uninterrupted_run(reference: dict, tmp_path: Path) -> None:
+    """sbatch on 2 nodes x 1 task. SIGUSR1 (what --signal=SIGUSR1@90 sends): agreed checkpoint, requeue, resume,
+    same final parameters as the uninterrupted run."""
+    log = tmp_path / "job.out"
+    env = _env(ACCELERATOR="cpu", ROOT_DIR=str(tmp_path / "run"), MASTER_PORT=str(free_port()))
+    cmd = ["sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "--cpus-per-task=1", f"--output={log}", SBATCH]
+    cmd += [*ARGS, "--save_weights", str(tmp_path / "w.pt")]
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
+    try:
+        _wait(lambda: log.exists() and "bytes communicated" in log.read_text(), 300, "training to start", log)
+        subprocess.run(["scancel", "--signal=USR1", job], check=True)
+        _wait(lambda: _job_state(job).get("Restarts") == "1", 120, "the job to requeue itself", log)
+
+        # SLURM holds a requeued job back for about two minutes (Reason=BeginTime); a test need not wait for it.
+        # The hold is set once the old run has ended (COMPLETING, then PENDING): release it then.
+        def released() -> bool:
+            state = _job_state(job)
+            if state.get("JobState") == "PENDING" and state.get("Reason") == "BeginTime":
+                subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)
+            return state.get("JobState") in ("RUNNING", "COMPLETED", "FAILED", "CANCELLED")
+
+        _wait(released, 120, "the requeued job to start", log)
+        _wait(lambda: _job_state(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 400, "the end", log)
+    finally:
+        subprocess.run(["scancel", job], check=False)
+    text = log.read_text()
+    assert _job_state(job).get("JobState") == "COMPLETED", text[-4000:]
+    # log wording: the preemption is an event, not in the plan yet (wanted: plan["preempted"])
+    assert "sgdtp: preempted at step" in text and "hpc_ckpt_1.ckpt" in text, text[-4000:]
+    # the batch script's own line (SLURM_RESTART_COUNT) and Lightning's restore line: not the strategy's
+    assert "restart 1" in text and "Restored all states from the checkpoint" in text, text[-4000:]
+    plans = read_plans(tmp_path / "run")  # one per run: the first and the requeued one
+    assert len(plans) >= 1, "no sgdtp_plan.json was written"
+    for plan in plans:
+        _assert_ranks(plan, 2, 1)
+    assert "from SLURMEnvironment" in text, text[-4000:]  # log wording: not in the plan yet
+    _assert_bitwise(reference, _weights(tmp_path / "w.pt"))
+
+
+def test_devices_not_matching_ntasks_per_node_fails_before_training(tmp_path: Path) -> None:
+    cmd = ["srun", "-N1", "--ntasks-per-node=2", "-J", "sgdtp-test", sys.executable, EXAMPLE, *ARGS]
+    cmd += ["--devices", "1", "--default_root_dir", str(tmp_path)]
+    result = run(cmd, timeout=120, env=_env())
+    assert result.returncode != 0
+    assert "You set `devices=1` in Lightning, but the number of tasks per node configured in SLURM" in result.stdout
+    assert "Initializing distributed" not in result.stdout, "the processes should fail before the rendezvous"
+
+
+def _two_nodes_bitwise_as_one(tmp_path: Path, args: list[str], one_node: list[str]) -> tuple[str, dict]:
+    """Run the example on 2 SLURM nodes x 2 tasks and, launched by Lightning, on one node with devices=4 (plus
+    ``one_node``); assert both succeed, SLURM was detected and the final weights are bitwise equal. Returns the
+    SLURM run's output and plan."""
+    ref_dir = tmp_path / "ref"
+    ref = run([sys.executable, EXAMPLE, *args, *one_node, "--devices", "4", "--default_root_dir", str(ref_dir),
+               "--save_weights", str(ref_dir / "w.pt")], env=job_env())  # fmt: skip
+    assert ref.returncode == 0, ref.stdout[-4000:]
+    cmd = ["srun", "-N2", "--ntasks-per-node=2", "-J", "sgdtp-test", "--kill-on-bad-exit=1", sys.executable, EXAMPLE]
+    cmd += [*args, "--devices", "2", "--num_nodes", "2", "--default_root_dir", str(tmp_path / "slurm")]
+    cmd += ["--save_weights", str(tmp_path / "w.pt")]
+    result = run(cmd, env=_env())
+    assert result.returncode == 0, result.stdout[-4000:]
+    (plan,) = read_plans(tmp_path / "slurm")
+    _assert_ranks(plan, 2, 2)
+    assert "from SLURMEnvironment" in result.stdout  # log wording: not in the plan yet (plan["cluster_environment"])
+    _assert_bitwise(_weights(ref_dir / "w.pt"), _weights(tmp_path / "w.pt"))
+    return result.stdout, plan
+
+
+def test_hybrid_over_two_nodes_puts_tensor_parallel_inside_each_node(tmp_path: Path) -> None:
+    """dp=2 x tp=2 on 2 SLURM nodes x 2 tasks: each tensor-parallel group is one node, data parallel runs across
+    the nodes, and the result is bitwise the same run launched by Lightning on one node with devices=4."""
+    args = [*ARGS, "--max_steps", "12", "--parallelism", "hybrid", "--tensor_parallel_size", "2"]
+    out, plan = _two_nodes_bitwise_as_one(tmp_path, args, [])
+    # rows of the mesh are the tensor-parallel groups: ranks 0, 1 on node 0 and 2, 3 on node 1
+    assert (plan["dp_size"], plan["tp_size"], plan["mesh_layout"]) == (2, 2, [[0, 1], [2, 3]])
+    assert "2 node(s) x 2 cpu devices" in out  # log wording: the topology is not in the plan yet (plan["topology"])
+
+
+def test_pipeline_over_two_nodes_puts_one_stage_on_each_node(tmp_path: Path) -> None:
+    """pipeline_chunks alone on 2 SLURM nodes x 2 tasks: one stage per node (pp=2 across the nodes), data parallel
+    inside each node, and the result is bitwise the same run on one node with devices=4, pipeline_stages=2."""
+    args = [*ARGS, "--max_steps", "8", "--pipeline_chunks", "4"]
+    _, plan = _two_nodes_bitwise_as_one(tmp_path, args, ["--pipeline_stages", "2"])
+    # 2 pipelines of 2 ranks; the mesh's rows are the stages (data parallel inside each)
+    assert (plan["pipeline"]["pp_size"], plan["pipeline"]["dp_size"], plan["mesh_layout"]) == (2, 2, [[0, 1], [2, 3]])
+    # pipelines run across nodes: stage s's ranks are all on node s (2 ranks per node)
+    per_node = plan["world_size"] // plan["num_nodes"]
+    assert [{rank // per_node for rank in stage} for stage in plan["mesh_layout"]] == [{0}, {1}]

@@ -1,0 +1,149 @@
+"""The test side of a job: run a job script with a hard timeout (always reaping every process it started), hand it
+its scenario, read back what it wrote, compare parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from helpers import JOBS, REPO
+
+
+def read_plans(root: Path) -> list[dict[str, Any]]:
+    """Every ``sgdtp_plan.json`` written under ``root`` (next to each run's logs), oldest log version first."""
+    return [json.loads(p.read_text()) for p in sorted(root.rglob("sgdtp_plan.json"))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    # Never inherited: rank variables (each job sets its own), and the negative-control switch (a job is a control
+    # only when its test says so).
+    dropped = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "SGDTP_NEGATIVE_CONTROL")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+    )
+    env.update(extra)
+    return env
+
+
+def start(cmd: list[str], env: dict[str, str] | None = None, merge_stderr: bool = True) -> subprocess.Popen:
+    """Start ``cmd`` in its own session, so that it and every process it starts can be killed together."""
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env or job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str, bool]:
+    """Wait for ``proc``; on timeout kill its whole process group. Always reap what it left behind.
+
+    Returns (stdout, stderr, timed_out)."""
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        timed_out = True
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return out, err or "", timed_out
+
+
+def run(cmd: list[str], timeout: float = 420, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to completion (stderr merged into stdout); a timeout fails the test with the output tail."""
+    proc = start(cmd, env)
+    out, _, timed_out = finish(proc, timeout)
+    if timed_out:
+        raise AssertionError(f"{cmd} timed out after {timeout}s; output tail:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def run_job(script: str, *args: str, timeout: float = 420, **env: str) -> subprocess.CompletedProcess:
+    """Run ``tests/distributed/jobs/SCRIPT ARGS`` (extra environment variables in ``env``); it must succeed."""
+    result = run([sys.executable, str(JOBS / script), *args], timeout=timeout, env=job_env(**env))
+    assert result.returncode == 0, f"{script} {args} failed (rc={result.returncode}):\n{result.stdout[-6000:]}"
+    return result
+
+
+def run_scenario(
+    script: str, scenario: dict[str, Any], out: Path, timeout: float = 600, **env: str
+) -> subprocess.CompletedProcess:
+    """Write ``scenario`` (plain data: model name, devices, options) to ``OUT/scenario.json`` and run the job script
+    on it: ``SCRIPT OUT``. The scenario is defined by the test; the script is the harness that trains it."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scenario.json").write_text(json.dumps(scenario, indent=1))
+    return run_job(script, str(out), timeout=timeout, **env)
+
+
+def load_result(out: Path) -> dict[str, Any]:
+    """A job's ``info.json`` with its initial, reference and sgdtp parameters (``init``, ``ref``, ``sgdtp``)."""
+    info = json.loads((out / "info.json").read_text())
+    info["init"] = torch.load(out / "init.pt")
+    info["ref"] = torch.load(out / "ref.pt")
+    info["sgdtp"] = torch.load(out / "sgdtp.pt")
+    return info
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a if a[k].is_floating_point())
+
+
+def rel_update_diff(init: dict[str, torch.Tensor], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||(b - init) - (a - init)|| / ||a - init|| over all floating-point parameters."""
+    keys = [k for k in a if a[k].is_floating_point()]
+    num = sum(float((a[k].float() - b[k].float()).norm() ** 2) for k in keys) ** 0.5
+    den = sum(float((a[k].float() - init[k].float()).norm() ** 2) for k in keys) ** 0.5
+    return num / den
+
+
+PARITY_TENSORS = ("init", "ref", "sgdtp", "ref_grads", "grads")
+
+
+def parity_result(
+    cache: dict[str, dict],
+    script: str,
+    name: str,
+    scenario: dict[str, Any],
+    out: Path,
+    json_files: tuple[str, ...] = ("info",),
+    **env: str,
+) -> dict:
+    """Run a parity scenario once per test session (``cache``, by scenario name, keeps what the job wrote: its
+    JSON files and tensors, by name, and its output as ``log``): several tests read the same run."""
+    if name not in cache:
+        result = run_scenario(script, scenario, out, **env)
+        cache[name] = {
+            "out": out,
+            "log": result.stdout,
+            **{f: json.loads((out / f"{f}.json").read_text()) for f in json_files},
+            **{t: torch.load(out / f"{t}.pt") for t in PARITY_TENSORS},
+        }
+    return cache[name]

@@ -1,0 +1,32 @@
+"""GnuPG identities and a small artifact folder, for the tests of signed manifests (unit and CLI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+
+def gpg(home: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["gpg", "--homedir", str(home), "--batch", *args], capture_output=True, check=True)
+
+
+def make_gpg_keys(home: Path) -> dict[str, Path | str]:
+    """Two signing identities in one GNUPGHOME (no passphrase, ed25519, seconds), and a keyring that trusts only
+    the first."""
+    home.chmod(0o700)
+    for who in ("trusted", "stranger"):
+        gpg(home, "--passphrase", "", "--quick-gen-key", f"{who} <{who}@sgdtp.test>", "ed25519", "sign", "never")
+    keyring = home / "trusted.gpg"
+    keyring.write_bytes(gpg(home, "--export", "trusted@sgdtp.test").stdout)
+    return {"home": home, "keyring": keyring, "trusted": "trusted@sgdtp.test", "stranger": "stranger@sgdtp.test"}
+
+
+def make_artifact(root: Path) -> Path:
+    """A folder to sign: a random checkpoint, a file in a subfolder, a small JSON file."""
+    (root / "shards").mkdir(parents=True)
+    (root / "model.ckpt").write_bytes(os.urandom(4096))
+    (root / "shards" / "rank0.bin").write_bytes(b"\x00" * 1000)
+    (root / "plan.json").write_text(json.dumps({"buckets": 3}))
+    return root

@@ -1,0 +1,232 @@
+"""The tensor-parallel plan and the mesh sizes: pure functions over module trees and numbers, no processes."""
+
+from __future__ import annotations
+
+import pytest
+from gpt import GPT, GPTConfig
+from helpers.models import MHALanguageModel
+from torch import nn
+
+from lightning_sgdtp.config import SGDTPConfigError
+from lightning_sgdtp.mesh import ParallelDims
+from lightning_sgdtp.parallel.tensor import TensorPlanError, auto_plan, resolve_plan
+from lightning_sgdtp.topology import Topology
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.num_heads = heads
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, 3 * dim)
+        self.down_proj = nn.Linear(3 * dim, dim)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(dim)
+        self.self_attn = LlamaAttention(dim, heads)
+        self.mlp = LlamaMLP(dim)
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab: int = 128, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaLayer(dim, heads) for _ in range(2))
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+
+def gpt(n_head: int = 4) -> GPT:
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=n_head, n_embd=48))
+
+
+def test_gpt_plan_splits_attention_mlp_embedding_and_tied_head() -> None:
+    plan = auto_plan(gpt(), 2)
+    for i in range(2):
+        assert plan.styles[f"blocks.{i}.attn.qkv"] == "colwise"
+        assert plan.styles[f"blocks.{i}.attn.proj"] == "rowwise"
+        assert plan.styles[f"blocks.{i}.mlp.fc"] == "colwise"
+        assert plan.styles[f"blocks.{i}.mlp.proj"] == "rowwise"
+    assert plan.styles["tok_emb"] == "rowwise" and plan.styles["lm_head"] == "colwise_gather"
+    assert "pos_emb" in plan.replicated
+    lines = plan.describe()
+    assert lines[0].startswith("tensor-parallel plan (automatic, tp=2)") and any("pos_emb" in line for line in lines)
+
+
+def test_llama_names_are_understood() -> None:
+    plan = auto_plan(Llama(), 4)
+    assert {plan.styles[f"layers.0.self_attn.{n}"] for n in ("q_proj", "k_proj", "v_proj")} == {"colwise"}
+    assert plan.styles["layers.0.self_attn.o_proj"] == "rowwise"
+    assert plan.styles["layers.1.mlp.gate_proj"] == plan.styles["layers.1.mlp.up_proj"] == "colwise"
+    assert plan.styles["layers.1.mlp.down_proj"] == "rowwise"
+    assert plan.styles["embed_tokens"] == "rowwise" and plan.styles["lm_head"] == "colwise_gather"
+
+
+def test_heads_that_do_not_divide_stay_replicated_and_say_why() -> None:
+    plan = auto_plan(gpt(n_head=3), 2)
+    assert "blocks.0.attn.qkv" not in plan.styles
+    assert "3 heads are not divisible by tp=2" in plan.replicated["blocks.0.attn.qkv"]
+    assert plan.styles["blocks.0.mlp.fc"] == "colwise"  # the MLP still splits
+
+
+def test_grouped_query_attention_needs_divisible_key_value_heads() -> None:
+    model = Llama(dim=32, heads=4)
+    for layer in model.layers:
+        layer.self_attn.num_key_value_heads = 1  # (the shapes do not matter to the plan: the head counts do)
+    plan = auto_plan(model, 2)
+    assert plan.replicated["layers.0.self_attn.k_proj"] == "1 key/value heads are not divisible by tp=2"
+    assert plan.styles["layers.0.mlp.gate_proj"] == "colwise"
+
+
+def test_multihead_attention_is_replicated_with_a_reason() -> None:
+    plan = auto_plan(MHALanguageModel(), 2)
+    assert "nn.MultiheadAttention" in plan.replicated["layers.0.self_attn"]
+    assert not any(name.startswith("layers.0.self_attn") for name in plan.styles)
+    assert plan.styles["layers.0.linear1"] == "colwise" and plan.styles["layers.0.linear2"] == "rowwise"
+    assert plan.styles["embed"] == "rowwise" and plan.styles["head"] == "colwise_gather"
+
+
+def test_tied_head_follows_its_embedding() -> None:
+    model = gpt()
+    plan = auto_plan(nn.ModuleDict({"m": model}), 3)  # vocab 64 does not divide by 3
+    assert "m.tok_emb" in plan.replicated and "m.lm_head" in plan.replicated
+
+
+def test_user_plan_globs_and_replicate() -> None:
+    plan = resolve_plan(gpt(), {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise"}, 2)
+    assert plan.source == "tp_plan"
+    assert sorted(plan.styles) == ["blocks.0.attn.proj", "blocks.0.attn.qkv", "blocks.1.attn.proj", "blocks.1.attn.qkv"]
+    assert plan.replicated["blocks.0.mlp.fc"] == "not in tp_plan"
+
+
+@pytest.mark.parametrize(
+    ("patterns", "words"),
+    [
+        ({"blocks.*.attention.qkv": "colwise"}, ["'blocks.*.attention.qkv' matches no module", "blocks.0.attn.qkv"]),
+        ({"blocks.*.attn": "colwise"}, ["CausalSelfAttention", "only nn.Linear and nn.Embedding"]),
+        ({"tok_emb": "colwise"}, ["embeddings are split by vocabulary", "'rowwise'"]),
+        ({"blocks.0.attn.qkv": "colwise"}, ["out_features=144 is not divisible by tensor_parallel_size=5"]),
+    ],
+)
+def test_user_plan_errors_name_the_module_and_the_fix(patterns: dict[str, str], words: list[str]) -> None:
+    tp = 5 if "blocks.0.attn.qkv" in patterns else 2
+    with pytest.raises(TensorPlanError) as info:
+        resolve_plan(gpt(), patterns, tp)
+    for word in words:
+        assert word in str(info.value)
+
+
+def cpu(nodes: int, devices: int) -> Topology:
+    from lightning_sgdtp.topology import detect
+
+    return detect("cpu", devices, nodes)
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "requested", "world", "per_node", "dp", "tp"),
+    [
+        ("data", None, 8, 4, 8, 1),
+        ("tensor", "auto", 2, 2, 1, 2),
+        ("tensor", 4, 4, 4, 1, 4),
+        ("hybrid", 2, 4, 4, 2, 2),
+        ("hybrid", "auto", 8, 4, 2, 4),  # auto: one island (a CPU node) per tensor-parallel group
+        ("hybrid", None, 4, 2, 2, 2),
+    ],
+)
+def test_dims(parallelism: str, requested: object, world: int, per_node: int, dp: int, tp: int) -> None:
+    dims = ParallelDims.resolve(parallelism, requested, world, per_node, cpu(world // per_node, per_node))
+    assert (dims.dp, dims.tp) == (dp, tp)
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "requested", "world", "per_node", "words"),
+    [
+        ("tensor", 2, 4, 4, ["tensor_parallel_size=2 != 4 ranks", "parallelism='hybrid'"]),
+        ("tensor", None, 4, 2, ["spans nodes", "parallelism='hybrid'"]),
+        ("hybrid", 3, 4, 4, ["tensor_parallel_size=3 does not divide the world size 4"]),
+        ("hybrid", 4, 8, 2, ["does not divide the 2 devices of a node", "inside one node"]),
+    ],
+)
+def test_dims_errors_say_what_divides_what(
+    parallelism: str, requested: object, world: int, per_node: int, words: list[str]
+) -> None:
+    with pytest.raises(SGDTPConfigError) as info:
+        ParallelDims.resolve(parallelism, requested, world, per_node, cpu(world // per_node, per_node))
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_layout_rows_are_tensor_parallel_groups_inside_nodes() -> None:
+    dims = ParallelDims.resolve("hybrid", 2, 8, 4, cpu(2, 4))
+    layout = dims.layout(cpu(2, 4))
+    assert layout == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.coordinates(layout, 5) == (2, 1)
+
+
+def test_backend_object_survives_lightnings_compile_wrapper() -> None:
+    """With Lightning imported, torch.compile(module, backend=obj) deep-copies its kwargs; a backend holding a
+    process group could not be copied. The compiler is shared, not copied."""
+    import copy
+
+    import lightning.pytorch  # noqa: F401  (installs Lightning's torch.compile wrapper)
+    import torch
+
+    from lightning_sgdtp import SGDTPCompiler
+
+    compiler = SGDTPCompiler()
+    assert copy.deepcopy({"backend": compiler})["backend"] is compiler
+    model = nn.Linear(4, 2)
+    torch.compile(model, backend=compiler)(torch.randn(3, 4)).sum().backward()
+    assert compiler.graphs, "the graphs were compiled by a copy, not by this backend object"
+    torch._dynamo.reset()
+
+
+def test_compile_backend_with_tensor_and_hybrid_strategies() -> None:
+    """The design documents' torch.compile form: "tensor" compiles without gradient sync (nothing to average);
+    "hybrid" cannot know the data-parallel group and says what to do instead."""
+    import torch
+
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    tensor = torch.compile(model, backend="sgdtp", options={"distributed": {"plugin": "sgdtp", "strategy": "tensor"}})
+    tensor(x).sum().backward()
+    assert model.weight.grad is not None
+    torch._dynamo.reset()
+    hybrid = torch.compile(model, backend="sgdtp", options={"distributed": {"plugin": "sgdtp", "strategy": "hybrid"}})
+    with pytest.raises(Exception, match="cannot know your data-parallel group"):
+        hybrid(x)
+    torch._dynamo.reset()
+
+
+def test_sequence_parallel_where_it_is_correct() -> None:
+    plan = auto_plan(gpt(), 2, sequence_parallel=True)
+    assert plan.sequence_blocks == ["blocks.0", "blocks.1"]
+    assert {plan.styles[f"blocks.{i}.{n}"] for i in range(2) for n in ("ln_1", "ln_2")} == {"sequence"}
+    assert "ln_f" not in plan.styles  # outside the stack: the stream is gathered when it leaves the last block
+    assert plan.describe()[-1].startswith("  sequence parallel: on: the residual stream of blocks.0 .. blocks.1")
+    llama = auto_plan(Llama(), 2, sequence_parallel=True)
+    assert llama.sequence_blocks == ["layers.0", "layers.1"]
+    assert [n for n, s in llama.styles.items() if s == "sequence"] == [f"layers.{i}.input_layernorm" for i in range(2)]
+    assert not auto_plan(gpt(), 2).sequence_blocks  # off unless asked (the strategy asks on CUDA)
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        (lambda: MHALanguageModel(), "layers.0.self_attn is an nn.MultiheadAttention"),
+        (lambda: gpt(n_head=3), "blocks.0.attn.qkv is not split"),
+        (lambda: nn.Sequential(nn.Linear(4, 4)), "no stack of repeated blocks"),
+    ],
+)
+def test_sequence_parallel_is_not_applied_where_it_would_be_wrong(model: object, reason: str) -> None:
+    plan = auto_plan(model(), 2, sequence_parallel=True)
+    assert not plan.sequence_blocks and reason in plan.sequence_reason
+    assert "sequence" not in plan.styles.values()
