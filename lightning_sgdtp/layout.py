@@ -16,6 +16,7 @@ Data parallel alone has no grid: every rank is a replica, the data-parallel grou
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,13 +74,13 @@ class ParallelLayout:
         if config.parallelism == "data":
             return cls(**base, dp=world_size)
         tp = tensor_parallel_size(config, world_size, devices_per_node, topology)
-        grid = None
-        if topology is not None:
-            try:
-                grid = rank_layout(topology, tp)
-            except TopologyError as exc:
-                raise SGDTPConfigError(str(exc)) from exc
-        return cls(**base, dp=world_size // tp, tp=tp, grid=grid)
+        sizes = cls(**base, dp=world_size // tp, tp=tp)  # checked before the topology is asked for a grid
+        if topology is None:
+            return sizes
+        try:
+            return dataclasses.replace(sizes, grid=rank_layout(topology, tp))
+        except TopologyError as exc:
+            raise SGDTPConfigError(str(exc)) from exc
 
     @classmethod
     def for_cluster(

@@ -85,8 +85,8 @@ def test_pipeline_options_dict_of_the_design_documents() -> None:
     s = SGDTPStrategy(options={"distributed": {"plugin": "sgdtp", "strategy": "data", "pipeline_chunks": 4}})
     c = s.config
     assert c.pipelined and (c.pipeline_chunks, c.pipeline_stages, c.pipeline_schedule) == (4, None, "1f1b")
-    assert SGDTPConfig(pipeline_stages=2).chunks_for(2) == 4  # default: 2 x stages
-    assert SGDTPConfig(pipeline_stages=2, pipeline_schedule="interleaved_1f1b").chunks_for(2) == 8
+    assert SGDTPConfig(pipeline_stages=2).pipeline_micro_batches(2) == 4  # default: 2 x stages
+    assert SGDTPConfig(pipeline_stages=2, pipeline_schedule="interleaved_1f1b").pipeline_micro_batches(2) == 8
 
 
 @pytest.mark.parametrize(

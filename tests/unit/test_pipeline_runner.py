@@ -6,15 +6,15 @@ import pytest
 import torch
 from gpt import GPTLightningModule
 
-from lightning_sgdtp.config import SGDTPConfigError
-from lightning_sgdtp.mesh import PipelineDims
+from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.layout import ParallelLayout
 from lightning_sgdtp.parallel.pipeline import (
     LogRecorder,
     PipelineContractError,
     batch_size_of,
     capture_forward_inputs,
     check_chunks,
-    chunks_for,
+    micro_batch_count,
     split_batch,
 )
 
@@ -25,7 +25,7 @@ def small() -> GPTLightningModule:
 
 @pytest.mark.parametrize(("batch", "chunks", "expected"), [(8, 4, 4), (6, 4, 3), (7, 4, 1), (2, 4, 2), (12, 8, 6)])
 def test_a_batch_runs_with_the_largest_count_of_equal_micro_batches(batch: int, chunks: int, expected: int) -> None:
-    assert chunks_for(batch, chunks) == expected
+    assert micro_batch_count(batch, chunks) == expected
 
 
 def test_split_batch_cuts_every_batch_sized_tensor_and_repeats_the_rest() -> None:
@@ -83,10 +83,17 @@ def test_schedule_rules_are_torchs(schedule: str, chunks: int, pp: int, stages: 
 
 
 def test_pipeline_dims_place_stages_across_nodes_and_replicas_inside() -> None:
-    dims = PipelineDims.resolve(2, 4, num_nodes=2)  # 2 nodes x 2 devices
-    assert (dims.pp, dims.dp, dims.layout()) == (2, 2, [[0, 1], [2, 3]])  # stage 0 on node 0, stage 1 on node 1
-    assert [dims.coordinates(r) for r in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
-    assert PipelineDims.resolve(None, 8, num_nodes=4).pp == 4  # pipeline_chunks alone: one stage per node
-    assert PipelineDims.resolve(None, 4, num_nodes=1).pp == 4  # one node: all ranks
+    dims = ParallelLayout.resolve(SGDTPConfig(pipeline_stages=2), 4, 2, num_nodes=2)  # 2 nodes x 2 devices
+    assert (dims.pp, dims.dp, dims.grid) == (2, 2, [[0, 1], [2, 3]])  # stage 0 on node 0, stage 1 on node 1
+    # (pipeline index = data-parallel rank, stage index = pipeline rank) of each rank
+    assert [(dims.coordinates(r)["dp"], dims.coordinates(r)["pp"]) for r in range(4)] == [
+        (0, 0),
+        (1, 0),
+        (0, 1),
+        (1, 1),
+    ]
+    chunks_alone = SGDTPConfig(pipeline_chunks=8)
+    assert ParallelLayout.resolve(chunks_alone, 8, 2, num_nodes=4).pp == 4  # pipeline_chunks alone: one stage per node
+    assert ParallelLayout.resolve(chunks_alone, 4, 4, num_nodes=1).pp == 4  # one node: all ranks
     with pytest.raises(SGDTPConfigError, match="pipeline_stages=3 must divide the 4 ranks"):
-        PipelineDims.resolve(3, 4, num_nodes=1)
+        ParallelLayout.resolve(SGDTPConfig(pipeline_stages=3, pipeline_chunks=4), 4, 4, num_nodes=1)

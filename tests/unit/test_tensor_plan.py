@@ -7,8 +7,8 @@ from gpt import GPT, GPTConfig
 from helpers.models import MHALanguageModel
 from torch import nn
 
-from lightning_sgdtp.config import SGDTPConfigError
-from lightning_sgdtp.mesh import ParallelDims
+from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.layout import ParallelLayout
 from lightning_sgdtp.parallel.tensor import TensorPlanError, auto_plan, resolve_plan
 from lightning_sgdtp.topology import Topology
 
@@ -130,6 +130,11 @@ def cpu(nodes: int, devices: int) -> Topology:
     return detect("cpu", devices, nodes)
 
 
+def _resolve(parallelism: str, requested: object, world: int, per_node: int) -> ParallelLayout:
+    config = SGDTPConfig(parallelism=parallelism, tensor_parallel_size=requested)
+    return ParallelLayout.resolve(config, world, per_node, world // per_node, cpu(world // per_node, per_node))
+
+
 @pytest.mark.parametrize(
     ("parallelism", "requested", "world", "per_node", "dp", "tp"),
     [
@@ -142,7 +147,7 @@ def cpu(nodes: int, devices: int) -> Topology:
     ],
 )
 def test_dims(parallelism: str, requested: object, world: int, per_node: int, dp: int, tp: int) -> None:
-    dims = ParallelDims.resolve(parallelism, requested, world, per_node, cpu(world // per_node, per_node))
+    dims = _resolve(parallelism, requested, world, per_node)
     assert (dims.dp, dims.tp) == (dp, tp)
 
 
@@ -159,16 +164,15 @@ def test_dims_errors_say_what_divides_what(
     parallelism: str, requested: object, world: int, per_node: int, words: list[str]
 ) -> None:
     with pytest.raises(SGDTPConfigError) as info:
-        ParallelDims.resolve(parallelism, requested, world, per_node, cpu(world // per_node, per_node))
+        _resolve(parallelism, requested, world, per_node)
     for word in words:
         assert word in str(info.value)
 
 
 def test_layout_rows_are_tensor_parallel_groups_inside_nodes() -> None:
-    dims = ParallelDims.resolve("hybrid", 2, 8, 4, cpu(2, 4))
-    layout = dims.layout(cpu(2, 4))
-    assert layout == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert dims.coordinates(layout, 5) == (2, 1)
+    dims = _resolve("hybrid", 2, 8, 4)
+    assert dims.grid == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.coordinates(5) == {"pp": 0, "dp": 2, "tp": 1}
 
 
 def test_backend_object_survives_lightnings_compile_wrapper() -> None:
