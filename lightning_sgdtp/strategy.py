@@ -50,7 +50,7 @@ from torch.distributed.utils import _sync_module_states
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sgdtp import checkpoints, comm, rendezvous
+from lightning_sgdtp import checkpoints, comm, model_settings, rendezvous
 from lightning_sgdtp.checkpoints import ShardedCheckpoints
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError, check_trainer_plugins
 from lightning_sgdtp.engine.base import EngineInputs, StepEngine
@@ -165,6 +165,7 @@ class SGDTPStrategy(ParallelStrategy):
         self._mesh: Any | None = None
         self._engine: StepEngine | None = None
         self._report = PlanReport()
+        self._settings = model_settings.TrainingSettings()
         self._guard = FaultGuard(config.collective_timeout, step=self._global_step)
         self._preemption: PreemptionCoordinator | None = None
         # A checkpoint's model and optimizer states were loaded by the strategy itself (sharded or resharded).
@@ -332,6 +333,7 @@ class SGDTPStrategy(ParallelStrategy):
         # Every replica starts from rank 0's weights and buffers, as with DDP.
         if not is_tensor_parallel(self.model):
             _sync_module_states(self.model, _group.WORLD, _BROADCAST_BUCKET_BYTES, 0, set())
+        self._settings = model_settings.for_training(self.model, self._report.say)
         engine = self._engine_for(self.lightning_module)
         clip = engine.parallelize()
         if clip is not None:  # the norm over every shard or stage, not this rank's
@@ -545,6 +547,7 @@ class SGDTPStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self._settings.restore()
         if self._engine is not None:
             self._engine.teardown(self.barrier)
         if self._preemption is not None:

@@ -152,6 +152,11 @@ class PipelinedStep(StepEngine):
             result = self.runner.run(hook, batch, batch_idx, scale=scale)
         for traced in self.runner.retraced[seen:]:
             self.report.say(f"pipeline stages traced and compiled for {traced}")
+        if self.runner.retraced[seen:] and self.runner.boundaries:
+            self.report.say(
+                f"pipeline: {len(self.runner.boundaries)} stage boundary tensor(s) are views (e.g."
+                f" {self.runner.boundaries[0]}): sent and received contiguous (send/recv need dense tensors)"
+            )
         replay_logs(self.module, result.logs, self.device)
         return result.loss
 
@@ -218,6 +223,7 @@ class PipelinedStep(StepEngine):
                 "split": self.split.to_dict() if self.split is not None else None,
                 "stages_of_rank_0": runner.stage_ids if runner is not None and dist.get_rank() == 0 else None,
                 "traced": list(runner.retraced) if runner is not None else [],
+                "contiguous_boundaries": list(runner.boundaries) if runner is not None else [],
             },
             "activation_checkpointing": list(self.checkpointed),
             "graphs": [g.to_dict() for g in self.compiler.graphs] if self.compiler else [],

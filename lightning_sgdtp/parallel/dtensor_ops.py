@@ -4,6 +4,9 @@
 backward), for which DTensor registers no strategy, so tensor-parallel attention fails on CPU with
 "does not have a sharding strategy registered". The rules are the ones torch registers for the CUDA flash
 kernel: everything replicated, split by head (dim 1: the tensor-parallel case) or by batch (dim 0).
+An explicit ``attn_mask`` (``transformers`` passes one whenever it is traced: a ``(batch, 1, q, k)`` boolean
+causal mask) follows the split where it has that dimension, and is replicated where it broadcasts (size 1);
+without it, an unchanged Llama failed at compile under tensor parallelism ("input_specs(3) != strategies(4)").
 This extends DTensor through its own registration API; it replaces nothing torch already has.
 """
 
@@ -31,16 +34,24 @@ def register() -> None:
         _registered = True
         return
 
+    def rules(op_schema, tensors: int) -> list[list]:
+        mask = op_schema.kwargs_schema.get("attn_mask")
+        out = []
+        for p in (Replicate(), Shard(1), Shard(0)):
+            rule = [p] * tensors
+            if mask is not None:
+                rule.append(p if isinstance(p, Shard) and mask.shape[p.dim] > 1 else Replicate())
+            out.append(rule)
+        return out
+
     @register_op_strategy(forward.default)
-    def _forward(op_schema):  # (output, logsumexp) from (query, key, value)
+    def _forward(op_schema):  # (output, logsumexp) from (query, key, value[, attn_mask])
         mesh = op_schema.get_mesh_from_args()
-        rules = [[p] * 5 for p in (Replicate(), Shard(1), Shard(0))]
-        return expand_to_full_mesh_op_strategy(mesh, op_schema, rules, input_index=2)
+        return expand_to_full_mesh_op_strategy(mesh, op_schema, rules(op_schema, 5), input_index=2)
 
     @register_op_strategy(backward.default)
-    def _backward(op_schema):  # (grad q, k, v) from (grad_out, query, key, value, out, logsumexp)
+    def _backward(op_schema):  # (grad q, k, v) from (grad_out, query, key, value, out, logsumexp[, attn_mask])
         mesh = op_schema.get_mesh_from_args(validate=False)
-        rules = [[p] * 9 for p in (Replicate(), Shard(1), Shard(0))]
-        return expand_to_full_mesh_op_strategy(mesh, op_schema, rules, input_index=3)
+        return expand_to_full_mesh_op_strategy(mesh, op_schema, rules(op_schema, 9), input_index=3)
 
     _registered = True

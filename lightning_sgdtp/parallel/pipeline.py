@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_sgdtp.comm import all_reduce_flat
 from lightning_sgdtp.parallel.pipeline_split import PipelineSplit
+from lightning_sgdtp.parallel.stage_boundaries import make_boundaries_contiguous, send_contiguous
 
 #: ``pipeline_schedule`` values and torch's schedule classes.
 SCHEDULES = {
@@ -340,6 +341,7 @@ class PipelineRunner:
         self.tied: list[nn.Parameter] = []
         self.holders: dict[int, int] = {}
         self.retraced: list[str] = []
+        self.boundaries: list[str] = []  # stage inputs / outputs made contiguous (stage_boundaries)
 
     # ------------------------------------------------------------------------------------ building
     def _split_spec(self) -> dict[str, Any]:
@@ -367,6 +369,7 @@ class PipelineRunner:
                     " values), no .item() or .tolist() (see the chained error for the line). Make that code"
                     " depend on shapes only, or train without pipeline_stages."
                 ) from exc
+        self.boundaries = make_boundaries_contiguous(pipe.split_gm)
         if pipe.num_stages != self.num_stages:
             raise PipelineContractError(
                 f"the traced forward cut into {pipe.num_stages} stages, not {self.num_stages}: the blocks"
@@ -381,6 +384,7 @@ class PipelineRunner:
         stages = []
         for index in self.stage_ids:
             stage = pipe.build_stage(index, self.device, self.group)
+            send_contiguous(stage)
             _relink(stage.submod, self.module)
             if self.prepare is not None:
                 self.prepare(stage.submod)

@@ -1,0 +1,104 @@
+"""A zoo model (tests/helpers/zoo.py: unchanged third-party models) trained by sgdtp in one mode, against the same
+model trained in one process on the same global batches.
+
+Usage: python tests/distributed/jobs/zoo.py OUT_DIR [SCENARIO], with the scenario (JSON; else OUT_DIR/scenario.json)
+= {"model": zoo name, "devices": N, "dp": data-parallel size, "sgdtp": SGDTPStrategy kwargs, "trainer": Trainer
+kwargs (precision, accumulate_grad_batches, ...), "optimizer": "adamw" | "sgd", "lr": float, "steps": int,
+"env": {name: value} set on every rank (e.g. the negative-control switch)}.
+
+The launching process trains the reference on one device (global batch = dp x per-rank batch, in the order
+Lightning's shuffling DistributedSampler gives the ranks), then Lightning's launcher starts the ranks. Rank 0 writes
+``init.pt``, ``ref.pt``, ``sgdtp.pt`` (the whole state dict, buffers included, merged from the pipeline stages),
+``ref_grads.pt`` / ``grads.pt`` (first-step gradients) and ``info.json`` (plan, logged metrics, seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from helpers.training import (
+    FirstStepGrads,
+    gather_full,
+    metrics,
+    params,
+    quiet_trainer,
+    read_scenario,
+    shuffled_like_lightning,
+)
+from helpers.zoo import zoo_data, zoo_module
+
+from lightning_sgdtp import SGDTPStrategy
+
+BATCH, SAMPLES = 4, 64
+
+
+def local_state(strategy: SGDTPStrategy, module: L.LightningModule) -> dict[str, torch.Tensor]:
+    """What this rank holds of the module's state (a pipeline stage's part; all of it otherwise), as full tensors."""
+    state = params(module)
+    runner = getattr(strategy.engine, "runner", None)
+    return runner.stage_state_dict(state) if runner is not None else state
+
+
+def local_ids(trainer: L.Trainer) -> set[int] | None:
+    runner = getattr(trainer.strategy.engine, "runner", None)
+    return {id(p) for p in runner.local_parameters} if runner is not None else None
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    scenario = read_scenario(out, sys.argv[2] if len(sys.argv) > 2 else None)
+    name, devices, dp = scenario["model"], scenario["devices"], scenario["dp"]
+    batch = scenario.get("batch", BATCH)
+    optimizer, lr, steps = scenario.get("optimizer", "adamw"), scenario.get("lr", 1e-2), scenario.get("steps", 4)
+    trainer_kwargs = dict(scenario.get("trainer", {}))
+    os.environ.update(scenario.get("env", {}))
+    accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
+    if "LOCAL_RANK" not in os.environ:  # the launching process, before any rank starts: the reference
+        L.seed_everything(0, verbose=False)
+        ref_model = zoo_module(name, optimizer, lr)
+        torch.save(params(ref_model), out / "init.pt")
+        grads = FirstStepGrads()
+        ref = quiet_trainer("auto", out / "ref", devices=1, callbacks=[grads], max_steps=steps, **trainer_kwargs)
+        started = time.perf_counter()
+        ref.fit(ref_model, shuffled_like_lightning(zoo_data(name, SAMPLES), batch * dp))
+        (out / "ref.json").write_text(json.dumps({"metrics": metrics(ref), "seconds": time.perf_counter() - started}))
+        torch.save(params(ref_model), out / "ref.pt")
+        torch.save(grads.grads, out / "ref_grads.pt")
+
+    L.seed_everything(0, verbose=False)
+    model = zoo_module(name, optimizer, lr)
+    strategy = SGDTPStrategy(**scenario["sgdtp"])
+    first = FirstStepGrads(local=local_ids if "pipeline_stages" in scenario["sgdtp"] else None)
+    trainer = quiet_trainer(
+        strategy, out / "sgdtp", devices=devices, callbacks=[first], max_steps=steps, **trainer_kwargs
+    )
+    started = time.perf_counter()
+    trainer.fit(model, zoo_data(name, SAMPLES, batch_size=batch))
+    seconds = time.perf_counter() - started
+    final = gather_full(local_state(strategy, model))
+    grads = gather_full(first.grads or {})
+    if trainer.global_rank == 0:
+        torch.save(final, out / "sgdtp.pt")
+        torch.save(grads, out / "grads.pt")
+        info: dict[str, Any] = {
+            "plan": strategy.plan,
+            "metrics": metrics(trainer),
+            "seconds": seconds,
+            "accumulate": accumulate,
+        }
+        (out / "info.json").write_text(json.dumps(info, default=str))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

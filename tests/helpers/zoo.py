@@ -1,0 +1,277 @@
+"""The model zoo: unchanged third-party models at tiny sizes, each inside the LightningModule users write.
+
+Every entry is a model this repo did not write (``transformers``: language, vision, encoder, encoder-decoder) or a pattern users write that
+ours do not (``nn.MultiheadAttention``, top-k mixture of experts, a Python branch on a config flag). The
+LightningModule around them is the ordinary one: ``training_step`` calls ``self(...)`` once, computes the loss from
+what it returns, ``self.log``s it; ``configure_optimizers`` returns the optimizer the scenario names (AdamW by
+default). Nothing in here knows about the strategy.
+
+``ZOO`` maps a name to a :class:`ZooEntry`: the factory of the inner model, the kind of data it eats and its loss.
+``zoo_module(name)`` builds the LightningModule, ``zoo_data(name, ...)`` its data (deterministic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, SEQ, WIDTH = 96, 16, 32
+IMAGE, CLASSES = 16, 10
+
+
+def _hf(config_cls: str, model_cls: str, **overrides: Any) -> Callable[[], nn.Module]:
+    """A ``transformers`` model from a tiny config (2 layers, width 32, 4 heads): the library's own code, unchanged.
+    Dropout is off in every zoo model: a parity run compares two trainings, which dropout would make differ."""
+
+    def build() -> nn.Module:
+        import transformers
+
+        fields: dict[str, Any] = {
+            "vocab_size": VOCAB,
+            "hidden_size": WIDTH,
+            "intermediate_size": 2 * WIDTH,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 4 * SEQ,
+        }
+        fields.update(overrides)
+        config = getattr(transformers, config_cls)(**fields)
+        return getattr(transformers, model_cls)(config)
+
+    return build
+
+
+def _gpt2() -> nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=4 * SEQ,
+        n_embd=WIDTH,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=1,
+        eos_token_id=1,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _bert() -> nn.Module:
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * WIDTH,
+        max_position_embeddings=4 * SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(config)
+
+
+def _t5() -> nn.Module:
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=2 * WIDTH, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, dropout_rate=0.0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _resnet() -> nn.Module:
+    import transformers
+
+    # BatchNorm everywhere: running statistics are buffers. 2 stages of one basic block each.
+    config = transformers.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=CLASSES
+    )
+    return transformers.ResNetForImageClassification(config)
+
+
+def _vit() -> nn.Module:
+    import transformers
+
+    config = transformers.ViTConfig(
+        image_size=IMAGE, patch_size=4, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=2 * WIDTH, num_labels=CLASSES, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.ViTForImageClassification(config)
+
+
+class MHABlock(nn.Module):
+    """A pre-norm block around ``nn.MultiheadAttention`` (batch_first), as users write them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.attn = nn.MultiheadAttention(WIDTH, 4, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class MoE(nn.Module):
+    """Top-2 routing over 4 experts, computed densely with the routing weights (data-dependent, no dropped token)."""
+
+    def __init__(self, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(WIDTH, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH)) for _ in range(experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.router(x).softmax(-1)
+        weight, index = scores.topk(self.top_k, dim=-1)
+        gate = torch.zeros_like(scores).scatter(-1, index, weight / weight.sum(-1, keepdim=True))
+        return sum(gate[..., e : e + 1] * expert(x) for e, expert in enumerate(self.experts))
+
+
+class MoEBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.moe = MoE()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.norm(x))
+
+
+class TokenStack(nn.Module):
+    """Embedding -> blocks -> norm -> head, over ``block()`` blocks. ``gated``: a Python branch on a config flag."""
+
+    def __init__(self, block: Callable[[], nn.Module], layers: int = 2, gated: bool = False) -> None:
+        super().__init__()
+        self.gated = gated
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02)
+        self.blocks = nn.ModuleList(block() for _ in range(layers))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) + self.pos[: x.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        if self.gated:  # a config flag, fixed for the model's life: dynamo specialises on it
+            h = h * torch.sigmoid(h)
+        return self.head(self.norm(h))
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """``build`` makes the inner model; ``data`` is ``"tokens"``, ``"mlm"``, ``"seq2seq"`` or ``"images"``;
+    ``family`` says where it comes from."""
+
+    build: Callable[[], nn.Module]
+    data: str
+    family: str
+
+
+ZOO: dict[str, ZooEntry] = {
+    "gpt2": ZooEntry(_gpt2, "tokens", "transformers GPT2LMHeadModel"),
+    "llama": ZooEntry(_hf("LlamaConfig", "LlamaForCausalLM"), "tokens", "transformers LlamaForCausalLM"),
+    "qwen2": ZooEntry(
+        _hf("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2), "tokens", "transformers Qwen2ForCausalLM (GQA)"
+    ),
+    "mistral": ZooEntry(
+        _hf("MistralConfig", "MistralForCausalLM", num_key_value_heads=2, sliding_window=8),
+        "tokens",
+        "transformers MistralForCausalLM (GQA, sliding window 8)",
+    ),
+    "phi": ZooEntry(
+        _hf("PhiConfig", "PhiForCausalLM", resid_pdrop=0.0, embd_pdrop=0.0), "tokens", "transformers PhiForCausalLM"
+    ),
+    "qwen3": ZooEntry(
+        _hf("Qwen3Config", "Qwen3ForCausalLM", num_key_value_heads=2, head_dim=8),
+        "tokens",
+        "transformers Qwen3ForCausalLM",
+    ),
+    "bert": ZooEntry(_bert, "mlm", "transformers BertForMaskedLM"),
+    "t5": ZooEntry(_t5, "seq2seq", "transformers T5ForConditionalGeneration"),
+    "resnet": ZooEntry(_resnet, "images", "transformers ResNetForImageClassification (BatchNorm)"),
+    "vit": ZooEntry(_vit, "images", "transformers ViTForImageClassification"),
+    "mha": ZooEntry(lambda: TokenStack(MHABlock), "tokens", "nn.MultiheadAttention blocks"),
+    "moe": ZooEntry(lambda: TokenStack(MoEBlock), "tokens", "top-2 mixture of experts"),
+    "branch": ZooEntry(lambda: TokenStack(MHABlock, gated=True), "tokens", "a Python branch on a config flag"),
+}
+
+
+class ZooModule(L.LightningModule):
+    """The LightningModule users write around a model they did not write."""
+
+    def __init__(self, name: str, optimizer: str = "adamw", lr: float = 1e-2) -> None:
+        super().__init__()
+        self.kind, self.optimizer_name, self.lr = ZOO[name].data, optimizer, lr
+        self.model = ZOO[name].build()
+
+    def forward(self, x: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        if self.kind == "images":
+            return self.model(pixel_values=x).logits
+        if self.kind == "seq2seq":
+            return self.model(input_ids=x, decoder_input_ids=extra[0]).logits
+        if isinstance(self.model, TokenStack):
+            return self.model(x)
+        return self.model(input_ids=x).logits
+
+    def _loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        if self.kind == "images":
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+        if self.kind == "seq2seq":
+            x, decoder_in, y = batch
+            logits = self(x, decoder_in)
+        else:
+            x, y = batch
+            logits = self(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def zoo_module(name: str, optimizer: str = "adamw", lr: float = 1e-2) -> ZooModule:
+    return ZooModule(name, optimizer, lr)
+
+
+def zoo_data(name: str, n: int = 64, batch_size: int = 4, seed: int = 1234) -> DataLoader:
+    """Deterministic data for ``name``'s kind: next-token pairs, masked-LM pairs, seq2seq triples or images."""
+    g = torch.Generator().manual_seed(seed)
+    kind = ZOO[name].data
+    if kind == "images":
+        x = torch.randn(n, 3, IMAGE, IMAGE, generator=g)
+        tensors: tuple[torch.Tensor, ...] = (x, torch.randint(0, CLASSES, (n,), generator=g))
+    else:
+        x = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+        if kind == "mlm":  # 15% of the tokens masked (id 0), the model predicts every position's original token
+            masked = torch.rand(n, SEQ, generator=g) < 0.15
+            tensors = (x.masked_fill(masked, 0), x)
+        elif kind == "seq2seq":  # predict the reversed sequence, teacher-forced
+            y = x.flip(1)
+            tensors = (x, torch.cat([torch.zeros(n, 1, dtype=x.dtype), y[:, :-1]], dim=1), y)
+        else:
+            tensors = (x, torch.roll(x, -1, dims=1))
+    return DataLoader(TensorDataset(*tensors), batch_size=batch_size, shuffle=False)
