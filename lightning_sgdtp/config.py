@@ -48,6 +48,9 @@ class SGDTPConfig:
             training step, like DDP.
         collective_timeout: Seconds a collective may wait before the job fails (process-group timeout). It also
             bounds how long the job takes to end when a rank dies, raises or hangs (see ``docs/faults.md``).
+        shutdown_grace: Seconds a rank has to end on its own after SIGTERM / SIGINT, or after it failed, before it
+            is ended (exit code 128 + signal, or 1) even if it is blocked in a collective; its peers are told and
+            end too. See ``docs/slurm-and-faults.md``.
         rendezvous_timeout: Seconds the ranks may take to meet at ``MASTER_ADDR:MASTER_PORT`` when the job
             starts; then the job fails with an error that names the address and port.
         verify_artifacts: Verify a checkpoint against the SHA256 manifest of its folder (and its signature, with
@@ -91,6 +94,7 @@ class SGDTPConfig:
     broadcast_buffers: bool = True
     collective_timeout: float = 1800.0
     rendezvous_timeout: float = 300.0
+    shutdown_grace: float = 10.0
     verify_artifacts: bool = True
     trusted_key: str | None = None
     signing_key: str | None = None
@@ -128,7 +132,7 @@ class SGDTPConfig:
         for name in ("overlap", "activation_checkpointing", "broadcast_buffers", "verify_artifacts"):
             if not isinstance(getattr(self, name), bool):
                 raise SGDTPConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
-        for name in ("collective_timeout", "rendezvous_timeout"):
+        for name in ("collective_timeout", "rendezvous_timeout", "shutdown_grace"):
             timeout = getattr(self, name)
             if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
                 raise SGDTPConfigError(f"{name}={timeout!r} must be a positive number of seconds, e.g. 600.")

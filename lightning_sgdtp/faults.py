@@ -37,6 +37,10 @@ log = logging.getLogger("lightning.pytorch.sgdtp")
 _STORE_ERRORS = (RuntimeError, OSError, ValueError)
 
 
+#: Seconds a rank whose peer reported a failure waits to fail on its own before its watchdog ends it.
+FAILURE_GRACE = 5.0
+
+
 class RankLostError(RuntimeError):
     """Another rank of the job failed, was lost or is stuck; this rank stops too. The message names it."""
 
@@ -81,8 +85,9 @@ class Liveness:
         self.prefix = f"sgdtp/liveness/{job_key}"
         self.collective_timeout = collective_timeout
         self.interval = max(0.2, min(1.0, collective_timeout / 4))
-        # A rank whose peers reported a failure has this long to fail on its own (with its own, better, message).
-        self.grace = min(collective_timeout, 60.0) + 2 * self.interval
+        # A rank whose peers reported a failure has this long to fail on its own (with its own, better, message);
+        # then its watchdog ends it. Seconds, not collective_timeout: the job has failed, waiting buys nothing.
+        self.grace = min(collective_timeout, FAILURE_GRACE) + 2 * self.interval
         self.phase = "in setup"
         self.step = -1
         self._seq = 0
@@ -321,6 +326,16 @@ class FaultGuard:
         """Tell the peers this rank failed (they end within seconds, naming it)."""
         if self.liveness is not None:
             self.liveness.report(exc, primary=not isinstance(exc, RankLostError))
+
+    @property
+    def failed(self) -> bool:
+        """This rank has reported a failure (its own, or a peer's it stopped for)."""
+        return self.liveness is not None and self.liveness._reported
+
+    def where(self) -> str:
+        """What the heartbeat says this rank is doing (``in training_step at step 2``)."""
+        live = self.liveness
+        return f"{live.phase} at step {live.step}" if live is not None else ""
 
     def close(self) -> None:
         if self.liveness is not None:

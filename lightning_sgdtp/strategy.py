@@ -19,6 +19,7 @@ device, a process group per the cluster environment, like ``DDPStrategy``) and h
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,6 +44,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -66,6 +68,7 @@ from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_st
 from lightning_sgdtp.preemption import Preempted, PreemptionCoordinator
 from lightning_sgdtp.report import PlanReport, plan_dict
 from lightning_sgdtp.resume import ResumableLoader
+from lightning_sgdtp.shutdown import ShutdownWatchdog
 
 _OPTIONS = frozenset(SGDTPConfig.__dataclass_fields__)
 _BROADCAST_BUCKET_BYTES = 250 * 2**20
@@ -167,6 +170,7 @@ class SGDTPStrategy(ParallelStrategy):
         self._report = PlanReport()
         self._settings = model_settings.TrainingSettings()
         self._guard = FaultGuard(config.collective_timeout, step=self._global_step)
+        self._watchdog: ShutdownWatchdog | None = None
         self._preemption: PreemptionCoordinator | None = None
         # A checkpoint's model and optimizer states were loaded by the strategy itself (sharded or resharded).
         self._states_loaded = False
@@ -310,6 +314,12 @@ class SGDTPStrategy(ParallelStrategy):
             config.collective_timeout, config.rendezvous_timeout, device if device.type != "cpu" else None,
         )  # fmt: skip
         self._guard.start(env.main_address, env.main_port, self.global_rank, expected)
+        if expected > 1 and self._watchdog is None:  # a rank blocked in a collective still ends on a signal
+            self._watchdog = ShutdownWatchdog(
+                self.global_rank, self._guard.where, lambda text: self._guard.report(RuntimeError(text)),
+                grace=config.shutdown_grace, ignore=(self._preemption.signum,) if self._preemption else (),
+            )  # fmt: skip
+            self._watchdog.install()
         if self._layout is None:  # sizes, the rank grid (topology), the device mesh: one line each
             args = (config, self.world_size, self.num_processes, self.num_nodes, device.type)
             self._layout, lines = ParallelLayout.for_cluster(*args)
@@ -542,18 +552,27 @@ class SGDTPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------------------- faults
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException) and exception.code is None:
+            # Lightning ends a SIGTERM'd run with SystemExit(None): exit code 0, which a launcher or scheduler reads
+            # as success. Exit as a process ended by SIGTERM does.
+            exception.code = 128 + signal.SIGTERM
         if not isinstance(exception, Preempted):
             self._guard.report(exception)
+            if self._watchdog is not None:
+                self._watchdog.failed(exception)
 
     @override
     def teardown(self) -> None:
         self._settings.restore()
         if self._engine is not None:
-            self._engine.teardown(self.barrier)
+            # After a failure no collective: a peer may never come (it failed too, or waits elsewhere).
+            self._engine.teardown(self.barrier if not self._guard.failed else lambda name: None)
         if self._preemption is not None:
             self._preemption.close()
             self._preemption = None
         self._guard.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
         if self.lightning_module is not None and is_tensor_parallel(self.lightning_module):
             # As Lightning's ModelParallelStrategy: a split module stays where it is (``module.cpu()`` cannot swap
             # DTensor parameters); the rest of Strategy.teardown.

@@ -1,0 +1,91 @@
+"""A zoo model trained by sgdtp in one mode, with a failure injected on one rank, or nothing injected (the test
+sends a signal). The default ``collective_timeout`` (1800 s) is kept: the job must end in seconds without it.
+
+Usage: python tests/distributed/jobs/zoo_fault.py OUT_DIR [SCENARIO], the scenario (JSON; else
+OUT_DIR/scenario.json) = {"model": zoo name, "devices": N, "sgdtp": SGDTPStrategy kwargs, "fail_rank": r,
+"fail_step": s, "where": "training_step" | "backward" | "callback" | "checkpoint" | "hang"} (no ``fail_rank``: nothing is
+injected; the run is long enough for a signal to arrive mid-step). Every rank writes ``OUT/step-<rank>`` (its pid)
+when it starts step 1, so the test knows the job is training.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from helpers.training import quiet_trainer, read_scenario
+from helpers.zoo import ZooModule, zoo_data
+
+from lightning_sgdtp import SGDTPStrategy
+
+
+class InjectedFailure(RuntimeError):
+    """The failure the test injects."""
+
+
+class Failing(ZooModule):
+    """The zoo module whose ``training_step`` or backward raises on one rank at one step."""
+
+    def __init__(self, name: str, fail: tuple[int, int] | None, where: str) -> None:
+        super().__init__(name)
+        self.fail, self.where = fail, where
+
+    def _strike(self, where: str) -> None:
+        if self.fail != (self.global_rank, self.global_step):
+            return
+        if self.where == "hang" and where == "training_step":  # outside any collective, until a signal ends it
+            time.sleep(3600)
+        if self.where == where:
+            raise InjectedFailure(f"injected failure in {where} on rank {self.global_rank} at step {self.global_step}")
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self._strike("training_step")
+        return super().training_step(batch, batch_idx)
+
+    def on_before_backward(self, loss: Any) -> None:
+        self._strike("backward")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._strike("checkpoint")
+
+
+class Marks(L.Callback):
+    """Writes ``step-<rank>`` at step 1; raises in ``on_train_batch_end`` where the scenario says ``callback``;
+    saves a checkpoint at every step where it says ``checkpoint``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: Failing, *args: Any) -> None:
+        if trainer.global_step == 1:
+            (self.out / f"step-{trainer.global_rank}").write_text(str(os.getpid()))
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Failing, *args: Any) -> None:
+        module._strike("callback")
+        if module.where == "checkpoint":
+            trainer.save_checkpoint(self.out / "ckpt" / f"step{trainer.global_step}.ckpt")
+
+
+def main(out: Path) -> None:
+    scenario = read_scenario(out, sys.argv[2] if len(sys.argv) > 2 else None)
+    fail = (scenario["fail_rank"], scenario["fail_step"]) if "fail_rank" in scenario else None
+    L.seed_everything(0, verbose=False)
+    model = Failing(scenario["model"], fail, scenario.get("where", "training_step"))
+    steps = scenario.get("steps", 6 if fail else 100_000)
+    trainer = quiet_trainer(
+        SGDTPStrategy(**scenario["sgdtp"]), out / "run", devices=scenario["devices"], callbacks=[Marks(out)],
+        max_steps=steps, max_epochs=-1,
+    )  # fmt: skip
+    trainer.fit(model, zoo_data(scenario["model"], 64, batch_size=scenario.get("batch", 4)))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
