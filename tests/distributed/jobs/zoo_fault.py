@@ -5,7 +5,8 @@ Usage: python tests/distributed/jobs/zoo_fault.py OUT_DIR [SCENARIO], the scenar
 OUT_DIR/scenario.json) = {"model": zoo name, "devices": N, "sgdtp": SGDTPStrategy kwargs, "fail_rank": r,
 "fail_step": s, "where": "training_step" | "backward" | "callback" | "checkpoint" | "hang"} (no ``fail_rank``: nothing is
 injected; the run is long enough for a signal to arrive mid-step). Every rank writes ``OUT/step-<rank>`` (its pid)
-when it starts step 1, so the test knows the job is training.
+when it starts step 1, so the test knows the job is training; the failing rank writes ``OUT/struck`` (the time)
+right before it raises.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ class InjectedFailure(RuntimeError):
 class Failing(ZooModule):
     """The zoo module whose ``training_step`` or backward raises on one rank at one step."""
 
-    def __init__(self, name: str, fail: tuple[int, int] | None, where: str) -> None:
+    def __init__(self, name: str, fail: tuple[int, int] | None, where: str, out: Path) -> None:
         super().__init__(name)
-        self.fail, self.where = fail, where
+        self.fail, self.where, self.out = fail, where, out
 
     def _strike(self, where: str) -> None:
         if self.fail != (self.global_rank, self.global_step):
@@ -44,6 +45,7 @@ class Failing(ZooModule):
         if self.where == "hang" and where == "training_step":  # outside any collective, until a signal ends it
             time.sleep(3600)
         if self.where == where:
+            (self.out / "struck").write_text(repr(time.time()))
             raise InjectedFailure(f"injected failure in {where} on rank {self.global_rank} at step {self.global_step}")
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -78,7 +80,7 @@ def main(out: Path) -> None:
     scenario = read_scenario(out, sys.argv[2] if len(sys.argv) > 2 else None)
     fail = (scenario["fail_rank"], scenario["fail_step"]) if "fail_rank" in scenario else None
     L.seed_everything(0, verbose=False)
-    model = Failing(scenario["model"], fail, scenario.get("where", "training_step"))
+    model = Failing(scenario["model"], fail, scenario.get("where", "training_step"), out)
     steps = scenario.get("steps", 6 if fail else 100_000)
     trainer = quiet_trainer(
         SGDTPStrategy(**scenario["sgdtp"]), out / "run", devices=scenario["devices"], callbacks=[Marks(out)],
