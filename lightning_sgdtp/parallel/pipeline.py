@@ -141,6 +141,15 @@ def check_pipeline_contract(module: nn.Module) -> None:
             f"{type(module).__name__} defines no forward: the pipeline traces forward(inputs) and cuts it into stages;"
             " define forward to run the model (e.g. return self.model(x))."
         )
+    batch_norms = [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if batch_norms:
+        raise PipelineContractError(
+            f"{type(module).__name__} has BatchNorm layers ({', '.join(batch_norms[:3])}"
+            f"{', ...' if len(batch_norms) > 3 else ''}): in a pipeline each micro-batch would be normalised by its own"
+            " statistics (a different model from training without the pipeline), and the traced stages do not carry"
+            " the running statistics' updates back. Train it with parallelism='data' or 'tensor', or replace"
+            " BatchNorm with GroupNorm / LayerNorm."
+        )
 
 
 def measure_block_costs(module: nn.Module, blocks: Sequence[str], args: tuple, kwargs: dict) -> list[float]:

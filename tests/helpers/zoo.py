@@ -30,14 +30,14 @@ def _hf(config_cls: str, model_cls: str, **overrides: Any) -> Callable[[], nn.Mo
     """A ``transformers`` model from a tiny config (2 layers, width 32, 4 heads): the library's own code, unchanged.
     Dropout is off in every zoo model: a parity run compares two trainings, which dropout would make differ."""
 
-    def build() -> nn.Module:
+    def build(layers: int) -> nn.Module:
         import transformers
 
         fields: dict[str, Any] = {
             "vocab_size": VOCAB,
             "hidden_size": WIDTH,
             "intermediate_size": 2 * WIDTH,
-            "num_hidden_layers": 2,
+            "num_hidden_layers": layers,
             "num_attention_heads": 4,
             "max_position_embeddings": 4 * SEQ,
         }
@@ -48,14 +48,14 @@ def _hf(config_cls: str, model_cls: str, **overrides: Any) -> Callable[[], nn.Mo
     return build
 
 
-def _gpt2() -> nn.Module:
+def _gpt2(layers: int) -> nn.Module:
     import transformers
 
     config = transformers.GPT2Config(
         vocab_size=VOCAB,
         n_positions=4 * SEQ,
         n_embd=WIDTH,
-        n_layer=2,
+        n_layer=layers,
         n_head=4,
         bos_token_id=1,
         eos_token_id=1,
@@ -66,41 +66,45 @@ def _gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
-def _bert() -> nn.Module:
+def _bert(layers: int) -> nn.Module:
     import transformers
 
     config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * WIDTH,
+        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=2 * WIDTH,
         max_position_embeddings=4 * SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     return transformers.BertForMaskedLM(config)
 
 
-def _t5() -> nn.Module:
+def _t5(layers: int) -> nn.Module:
     import transformers
 
     config = transformers.T5Config(
-        vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=2 * WIDTH, num_layers=2, num_decoder_layers=2, num_heads=4,
+        vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=2 * WIDTH, num_layers=layers, num_decoder_layers=layers, num_heads=4,
         decoder_start_token_id=0, dropout_rate=0.0,
     )  # fmt: skip
     return transformers.T5ForConditionalGeneration(config)
 
 
-def _resnet() -> nn.Module:
+def _resnet(layers: int) -> nn.Module:
     import transformers
 
     # BatchNorm everywhere: running statistics are buffers. 2 stages of one basic block each.
     config = transformers.ResNetConfig(
-        embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=CLASSES
+        embedding_size=16,
+        hidden_sizes=[16 * 2 ** (i // 2) for i in range(layers)],
+        depths=[1] * layers,
+        layer_type="basic",
+        num_labels=CLASSES,
     )
     return transformers.ResNetForImageClassification(config)
 
 
-def _vit() -> nn.Module:
+def _vit(layers: int) -> nn.Module:
     import transformers
 
     config = transformers.ViTConfig(
-        image_size=IMAGE, patch_size=4, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4,
+        image_size=IMAGE, patch_size=4, hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4,
         intermediate_size=2 * WIDTH, num_labels=CLASSES, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )  # fmt: skip
@@ -176,9 +180,12 @@ class ZooEntry:
     """``build`` makes the inner model; ``data`` is ``"tokens"``, ``"mlm"``, ``"seq2seq"`` or ``"images"``;
     ``family`` says where it comes from."""
 
-    build: Callable[[], nn.Module]
+    build: Callable[[int], nn.Module]
     data: str
     family: str
+    #: BatchNorm: batch statistics per rank, so with data parallelism the reference is Lightning's DDP on the same
+    #: ranks (SyncBatchNorm would need CUDA: torch's runs on GPUs only).
+    batch_norm: bool = False
 
 
 ZOO: dict[str, ZooEntry] = {
@@ -202,21 +209,23 @@ ZOO: dict[str, ZooEntry] = {
     ),
     "bert": ZooEntry(_bert, "mlm", "transformers BertForMaskedLM"),
     "t5": ZooEntry(_t5, "seq2seq", "transformers T5ForConditionalGeneration"),
-    "resnet": ZooEntry(_resnet, "images", "transformers ResNetForImageClassification (BatchNorm)"),
+    "resnet": ZooEntry(_resnet, "images", "transformers ResNetForImageClassification (BatchNorm)", batch_norm=True),
     "vit": ZooEntry(_vit, "images", "transformers ViTForImageClassification"),
-    "mha": ZooEntry(lambda: TokenStack(MHABlock), "tokens", "nn.MultiheadAttention blocks"),
-    "moe": ZooEntry(lambda: TokenStack(MoEBlock), "tokens", "top-2 mixture of experts"),
-    "branch": ZooEntry(lambda: TokenStack(MHABlock, gated=True), "tokens", "a Python branch on a config flag"),
+    "mha": ZooEntry(lambda layers: TokenStack(MHABlock, layers), "tokens", "nn.MultiheadAttention blocks"),
+    "moe": ZooEntry(lambda layers: TokenStack(MoEBlock, layers), "tokens", "top-2 mixture of experts"),
+    "branch": ZooEntry(
+        lambda layers: TokenStack(MHABlock, layers, gated=True), "tokens", "a Python branch on a config flag"
+    ),
 }
 
 
 class ZooModule(L.LightningModule):
     """The LightningModule users write around a model they did not write."""
 
-    def __init__(self, name: str, optimizer: str = "adamw", lr: float = 1e-2) -> None:
+    def __init__(self, name: str, optimizer: str = "adamw", lr: float = 1e-2, layers: int = 2) -> None:
         super().__init__()
         self.kind, self.optimizer_name, self.lr = ZOO[name].data, optimizer, lr
-        self.model = ZOO[name].build()
+        self.model = ZOO[name].build(layers)
 
     def forward(self, x: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
         if self.kind == "images":
@@ -253,8 +262,8 @@ class ZooModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def zoo_module(name: str, optimizer: str = "adamw", lr: float = 1e-2) -> ZooModule:
-    return ZooModule(name, optimizer, lr)
+def zoo_module(name: str, optimizer: str = "adamw", lr: float = 1e-2, layers: int = 2) -> ZooModule:
+    return ZooModule(name, optimizer, lr, layers)
 
 
 def zoo_data(name: str, n: int = 64, batch_size: int = 4, seed: int = 1234) -> DataLoader:

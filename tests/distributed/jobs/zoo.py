@@ -4,7 +4,8 @@ model trained in one process on the same global batches.
 Usage: python tests/distributed/jobs/zoo.py OUT_DIR [SCENARIO], with the scenario (JSON; else OUT_DIR/scenario.json)
 = {"model": zoo name, "devices": N, "dp": data-parallel size, "sgdtp": SGDTPStrategy kwargs, "trainer": Trainer
 kwargs (precision, accumulate_grad_batches, ...), "optimizer": "adamw" | "sgd", "lr": float, "steps": int,
-"env": {name: value} set on every rank (e.g. the negative-control switch)}.
+"env": {name: value} set on every rank (e.g. the negative-control switch), "reference": "ddp" (Lightning's DDP on
+the same ranks: for BatchNorm models, whose batch statistics are per rank) or absent (one process)}.
 
 The launching process trains the reference on one device (global batch = dp x per-rank batch, in the order
 Lightning's shuffling DistributedSampler gives the ranks), then Lightning's launcher starts the ranks. Rank 0 writes
@@ -59,14 +60,25 @@ def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     scenario = read_scenario(out, sys.argv[2] if len(sys.argv) > 2 else None)
     name, devices, dp = scenario["model"], scenario["devices"], scenario["dp"]
-    batch = scenario.get("batch", BATCH)
+    batch, layers = scenario.get("batch", BATCH), scenario.get("layers", 2)
     optimizer, lr, steps = scenario.get("optimizer", "adamw"), scenario.get("lr", 1e-2), scenario.get("steps", 4)
     trainer_kwargs = dict(scenario.get("trainer", {}))
     os.environ.update(scenario.get("env", {}))
     accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
-    if "LOCAL_RANK" not in os.environ:  # the launching process, before any rank starts: the reference
+    if scenario.get("reference") == "ddp":  # Lightning's DDP on the same ranks, in the same processes, first
         L.seed_everything(0, verbose=False)
-        ref_model = zoo_module(name, optimizer, lr)
+        ref_model = zoo_module(name, optimizer, lr, layers)
+        init = params(ref_model)
+        grads = FirstStepGrads()
+        ref = quiet_trainer("ddp", out / "ref", devices=devices, callbacks=[grads], max_steps=steps, **trainer_kwargs)
+        ref.fit(ref_model, zoo_data(name, SAMPLES, batch_size=batch))
+        if ref.global_rank == 0:
+            torch.save(init, out / "init.pt")
+            torch.save(params(ref_model), out / "ref.pt")
+            torch.save(grads.grads, out / "ref_grads.pt")
+    elif "LOCAL_RANK" not in os.environ:  # the launching process, before any rank starts: the reference
+        L.seed_everything(0, verbose=False)
+        ref_model = zoo_module(name, optimizer, lr, layers)
         torch.save(params(ref_model), out / "init.pt")
         grads = FirstStepGrads()
         ref = quiet_trainer("auto", out / "ref", devices=1, callbacks=[grads], max_steps=steps, **trainer_kwargs)
@@ -77,7 +89,7 @@ def main(out: Path) -> None:
         torch.save(grads.grads, out / "ref_grads.pt")
 
     L.seed_everything(0, verbose=False)
-    model = zoo_module(name, optimizer, lr)
+    model = zoo_module(name, optimizer, lr, layers)
     strategy = SGDTPStrategy(**scenario["sgdtp"])
     first = FirstStepGrads(local=local_ids if "pipeline_stages" in scenario["sgdtp"] else None)
     trainer = quiet_trainer(
@@ -86,7 +98,10 @@ def main(out: Path) -> None:
     started = time.perf_counter()
     trainer.fit(model, zoo_data(name, SAMPLES, batch_size=batch))
     seconds = time.perf_counter() - started
-    final = gather_full(local_state(strategy, model))
+    # A pipeline's stages merged; otherwise rank 0's state (each replica has all of it, and its buffers are the ones
+    # broadcast to the others before each step: BatchNorm statistics differ per rank after a step, as with DDP).
+    pipelined = getattr(strategy.engine, "runner", None) is not None
+    final = gather_full(local_state(strategy, model)) if pipelined else params(model)
     grads = gather_full(first.grads or {})
     if trainer.global_rank == 0:
         torch.save(final, out / "sgdtp.pt")

@@ -1,0 +1,217 @@
+"""The support matrix: every zoo model (tests/helpers/zoo.py) in every mode, compared with single-process training,
+written to ``docs/model-support.md`` from the run. Nothing in the page is typed by hand.
+
+    python tools/model_support.py                      # the whole matrix (about 2 hours on 2 CPU cores)
+    python tools/model_support.py --models llama gpt2 --modes data pipeline-1f1b --out /tmp/page.md
+
+Each cell runs ``tests/distributed/jobs/zoo.py`` (the job the zoo tests run): the launching process trains the
+reference on one device with Lightning's shuffled order, then the sgdtp ranks train the same model on the same
+global batches; the cell compares the parameter updates (``rel`` = ||delta_sgdtp - delta_ref|| / ||delta_ref||, the
+whole state dict, buffers included) and the first step's gradients. A cell is:
+
+- **works**: the job ran and ``rel`` is within the mode's tolerance (the parity tests' tolerances: fp32 1e-3, bf16
+  0.15: bf16 rounding turned into lr-sized AdamW steps);
+- **refused**: the strategy stopped at setup or at the first step with its own error that names the module and the
+  reason (``SGDTPConfigError``, ``PipelineContractError``, ``TensorPlanError``, ``NotAvailableYetError``);
+- **FAILS** / **WRONG**: anything else (a crash deep inside torch, or a result off the reference). The page lists
+  them; each is a bug to fix or to turn into a refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from helpers.launch import finish, job_env, rel_update_diff, start
+from helpers.zoo import ZOO
+
+REFUSALS = ("SGDTPConfigError", "PipelineContractError", "TensorPlanError", "NotAvailableYetError")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A column: devices, data-parallel size (the reference's global batch), options, Trainer options."""
+
+    devices: int
+    dp: int
+    sgdtp: dict[str, Any]
+    trainer: dict[str, Any] = field(default_factory=dict)
+    layers: int = 2
+    batch: int = 4
+
+    @property
+    def tolerance(self) -> float:
+        return 0.15 if self.trainer.get("precision") == "bf16-mixed" else 1e-3
+
+
+PP = {"pipeline_stages": 2, "pipeline_chunks": 4}
+MODES: dict[str, Mode] = {  # in the order they run
+    "data": Mode(2, 2, {}),
+    "tensor": Mode(2, 1, {"parallelism": "tensor"}),
+    "pipeline 1f1b": Mode(2, 1, {**PP, "pipeline_schedule": "1f1b"}, batch=8),
+    "hybrid (dp 2 x tp 2)": Mode(4, 2, {"parallelism": "hybrid", "tensor_parallel_size": 2}),
+    "pipeline x data (2 x 2)": Mode(4, 2, {"pipeline_stages": 2, "pipeline_chunks": 2}),
+    "pipeline interleaved": Mode(2, 1, {**PP, "pipeline_schedule": "interleaved_1f1b"}, layers=4, batch=8),
+    "pipeline gpipe": Mode(2, 1, {**PP, "pipeline_schedule": "gpipe"}, batch=8),
+    "data + activation checkpointing": Mode(2, 2, {"activation_checkpointing": True}),
+    "data + bf16-mixed": Mode(2, 2, {}, {"precision": "bf16-mixed"}),
+    "data + accumulate 2": Mode(2, 2, {}, {"accumulate_grad_batches": 2}),
+}
+
+
+def run_cell(model: str, mode: Mode, out: Path, timeout: float) -> dict[str, Any]:
+    scenario = {
+        "model": model, "devices": mode.devices, "dp": mode.dp, "sgdtp": mode.sgdtp, "trainer": mode.trainer,
+        "layers": mode.layers, "batch": mode.batch, "steps": 4,
+    }  # fmt: skip
+    if ZOO[model].batch_norm and mode.dp > 1 and "pipeline_stages" not in mode.sgdtp:
+        # BatchNorm's batch statistics are per data-parallel replica (as with DDP): the reference is DDP on the same
+        # ranks, which exists where every rank is a replica.
+        if mode.dp != mode.devices:
+            return {"status": "not compared", "seconds": 0.0, "error": "BatchNorm statistics per replica; no DDP"
+                    " reference with tensor parallel inside the replicas"}  # fmt: skip
+        scenario["reference"] = "ddp"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scenario.json").write_text(json.dumps(scenario))
+    started = time.perf_counter()
+    # its own session, killed whole on timeout, every process reaped (the tests' launcher)
+    proc = start([sys.executable, str(REPO / "tests/distributed/jobs/zoo.py"), str(out)], env=job_env())
+    output, _, timed_out = finish(proc, timeout)
+    code = proc.returncode if not timed_out else -1
+    if timed_out:
+        output += f"\nTIMEOUT after {timeout:.0f} s"
+    seconds = time.perf_counter() - started
+    (out / "output.txt").write_text(output)
+    if code == 0 and (out / "sgdtp.pt").exists():
+        return {"status": "works", "seconds": seconds, **_compare(out, mode)}
+    error = _error_line(str(output))
+    refused = any(error.startswith(name) or f".{name}:" in error for name in REFUSALS)
+    return {"status": "refused" if refused else "FAILS", "seconds": seconds, "error": error}
+
+
+def _compare(out: Path, mode: Mode) -> dict[str, Any]:
+    import torch
+
+    init, ref, got = (torch.load(out / f"{n}.pt") for n in ("init", "ref", "sgdtp"))
+    ref_grads, grads = torch.load(out / "ref_grads.pt"), torch.load(out / "grads.pt")
+    rel = rel_update_diff(init, ref, got)
+    common = [k for k in ref_grads if k in grads]
+    num = sum(float((ref_grads[k].float() - grads[k].float()).norm() ** 2) for k in common) ** 0.5
+    den = sum(float(ref_grads[k].float().norm() ** 2) for k in common) ** 0.5 or 1.0
+    plan = json.loads((out / "info.json").read_text())["plan"]
+    result = {"rel": rel, "grad_rel": num / den, "grads_compared": len(common), "grads_expected": len(ref_grads)}
+    if rel > mode.tolerance or len(common) != len(ref_grads):
+        result["status"] = "WRONG"
+    result["graph_breaks"] = len(plan.get("graph_breaks", []) or [])
+    return result
+
+
+def _error_line(output: str) -> str:
+    """The last exception line of the output (``Type: message``), without the ``[rankN]:`` prefixes."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line) for line in output.splitlines()]
+    errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*:", line) or "TIMEOUT" in line]
+    return (errors[-1] if errors else (lines[-1] if lines else "no output")).strip()[:400]
+
+
+def _versions() -> dict[str, str]:
+    import lightning
+    import torch
+    import transformers
+
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
+        "transformers": transformers.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
+    }  # fmt: skip
+
+
+def render(results: dict[str, dict[str, dict[str, Any]]], versions: dict[str, str], started: str, took: float) -> str:
+    modes = [m for m in MODES if any(m in row for row in results.values())]
+    lines = [
+        "# Model support",
+        "",
+        "Generated by `python tools/model_support.py` from a real run; do not edit by hand. Each cell trains an unchanged",
+        "third-party model (`tests/helpers/zoo.py`, tiny configs, dropout off) inside the LightningModule users write",
+        "(`self.log` of the loss, AdamW lr 1e-2, 4 steps, CPU, gloo) with `SGDTPStrategy` in that mode, and compares it",
+        "with the same model trained in one process on the same global batches.",
+        "",
+        f"Run: {started}, {took / 60:.0f} min. " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
+        "",
+        "Cell: **ok** `rel` = relative difference of the parameter updates after 4 steps, whole state dict (buffers",
+        "included), tolerance 1e-3 (fp32) / 0.15 (bf16-mixed); **refused** = the strategy's own error at setup (reason",
+        "below); **FAILS** / **WRONG** = a crash / a result off the reference (a bug, listed below); n/c = not compared",
+        "(BatchNorm in hybrid: no reference). BatchNorm models are compared with Lightning's DDP on the same ranks where",
+        "every rank is a data-parallel replica (batch statistics per rank), with one process elsewhere.",
+        "",
+        "| model | " + " | ".join(modes) + " |",
+        "| --- | " + " | ".join("---" for _ in modes) + " |",
+    ]
+    notes: list[str] = []
+    for model, row in sorted(results.items(), key=lambda item: list(ZOO).index(item[0])):
+        cells = []
+        for mode in modes:
+            cell = row.get(mode)
+            if cell is None:
+                cells.append("")
+            elif cell["status"] == "works":
+                cells.append(f"ok {cell['rel']:.0e}")
+            elif cell["status"] == "not compared":
+                cells.append("n/c")
+            else:
+                if cell["status"] == "not compared":
+                    continue
+                notes.append(f"- **{model} / {mode}** ({cell['status']}): `{cell.get('error', '')}`"
+                             if cell["status"] != "WRONG" else
+                             f"- **{model} / {mode}** (WRONG): rel {cell['rel']:.2e}, gradients compared"
+                             f" {cell['grads_compared']}/{cell['grads_expected']}")  # fmt: skip
+                cells.append(f"{cell['status']} [{len(notes)}]")
+        lines.append(f"| {model}: {ZOO[model].family} | " + " | ".join(cells) + " |")
+    lines += ["", "## What did not work, and why", ""] + (notes or ["Every cell worked."])
+    lines += ["", "Seconds per cell (both trainings, compile included):", ""]
+    for model, row in results.items():
+        lines.append(f"- {model}: " + ", ".join(f"{m} {c['seconds']:.0f}" for m, c in row.items()))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(ZOO), choices=list(ZOO))
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "model-support.md")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/sgdtp-model-support"))
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
+    parser.add_argument("--resume", action="store_true", help="keep the cells WORK/results.json has already")
+    args = parser.parse_args()
+    started, t0 = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), time.perf_counter()
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    saved = args.work / "results.json"
+    if args.resume and saved.exists():
+        results = json.loads(saved.read_text())
+    for mode in args.modes:  # column by column: a run cut short leaves whole columns
+        for model in args.models:
+            if mode in results.get(model, {}):
+                continue
+            slug = re.sub(r"[^a-z0-9]+", "-", f"{model}-{mode}".lower())
+            cell = run_cell(model, MODES[mode], args.work / slug, args.timeout)
+            results.setdefault(model, {})[mode] = cell
+            print(
+                f"{model:8s} {mode:32s} {cell['status']:8s} {cell.get('rel', cell.get('error', ''))!s:.160}", flush=True
+            )
+            saved.write_text(json.dumps(results, indent=1))
+    args.out.write_text(render(results, _versions(), started, time.perf_counter() - t0))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
