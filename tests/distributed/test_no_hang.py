@@ -1,7 +1,7 @@
 """Nothing hangs, in any mode: a failure on one rank, or a signal to the launching process, ends every process of the
 job within seconds, with a non-zero exit code, the error and its rank shown, and no process left behind.
 
-``jobs/zoo_fault.py`` trains a zoo model (``mha``: nn.MultiheadAttention blocks) with the *default*
+``jobs/zoo_fault.py`` trains a zoo model (transformers Llama, the cells of test_model_zoo.py) with the *default*
 ``collective_timeout`` (1800 s), started the way users start it: ``python script.py`` with ``devices=N``
 (Lightning's launcher starts ranks 1.. as children of rank 0). Measured on the 2-core machine (failure -> last
 process gone): see ``BOUND`` and the closing note of issue 14. Before the fix a failure inside a pipeline stage
@@ -47,7 +47,7 @@ def _job_alive(pgid: int) -> bool:
 def _run_until(tmp_path: Path, scenario: dict[str, Any], strike: Any) -> tuple[float, int, str]:
     """Start the job, wait until every rank trains step 1, call ``strike(proc)``: it returns the moment (``time.time``)
     of the failure or signal. Then wait for the whole job to end. Returns (seconds to the end, exit code, output)."""
-    (tmp_path / "scenario.json").write_text(json.dumps({"model": "mha", **scenario}))
+    (tmp_path / "scenario.json").write_text(json.dumps({"model": "llama", **scenario}))
     proc = start([sys.executable, str(JOBS / "zoo_fault.py"), str(tmp_path)], env=job_env())
     try:
         deadline = time.monotonic() + STARTUP
@@ -89,7 +89,7 @@ def test_a_failure_on_one_rank_ends_the_job(tmp_path: Path, mode: str) -> None:
     assert "rank 1" in out and ("RankLostError" in out or "is ending itself" in out), out[-4000:]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM])
 def test_a_signal_to_the_launcher_ends_the_job_while_a_rank_is_blocked(tmp_path: Path, signum: int) -> None:
     """Rank 1 sleeps in its step-2 training_step (outside any collective), so rank 0 blocks inside a pipeline
     collective waiting for it: Python cannot run rank 0's signal handler. The launcher (rank 0) is signalled."""
