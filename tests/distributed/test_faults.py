@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.launch import JOBS, REPO, finish, free_port, job_env, start
+from helpers.launch import JOBS, REPO, finish, free_port, group_alive, job_env, start
 
 TIMEOUT = 5.0  # collective_timeout given to the job
 # kill/raise: the failure is seen at once, plus the diagnosis (~2.5 s) and Python's exit.
@@ -26,19 +26,6 @@ EXPECT = {
     "raise": "rank 1 (host {host}, pid {pid}) failed",
     "hang": "rank 1 (host {host}, pid {pid}) is alive but did not join the collective",
 }
-
-
-def _group_alive(pgid: int) -> bool:
-    """Is any process of session/group ``pgid`` still running? Zombies (dead, not yet reaped by init) do not count."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, pgrp = fields[0], int(fields[2])
-        if pgrp == pgid and state != "Z":
-            return True
-    return False
 
 
 @pytest.mark.parametrize("mode", ["kill", "raise", "hang"])
@@ -65,7 +52,7 @@ def test_a_lost_rank_ends_the_job_in_bounded_time(tmp_path: Path, mode: str) -> 
             time.sleep(0.1)
         # Before the test reaps anything: every process of each rank's session (compile workers too) is gone.
         time.sleep(1.0)
-        left = [rank for rank, p in enumerate(procs) if _group_alive(p.pid)]
+        left = [rank for rank, p in enumerate(procs) if group_alive(p.pid)]
     finally:
         outputs = [finish(p, 10)[0] for p in procs]
     tails = "\n".join(f"--- rank {r} (rc={p.returncode}):\n{o[-2500:]}" for r, (p, o) in enumerate(zip(procs, outputs)))
@@ -137,7 +124,7 @@ def test_a_killed_child_of_lightnings_own_launch_ends_the_job(tmp_path: Path) ->
             time.sleep(0.1)
         elapsed = time.monotonic() - struck
         time.sleep(1.0)
-        left = _group_alive(proc.pid)
+        left = group_alive(proc.pid)
     finally:
         out = finish(proc, 10)[0]
     assert proc.returncode != 0 and elapsed <= BOUND["kill"], (

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.launch import JOBS, finish, job_env, start
+from helpers.launch import JOBS, finish, group_alive, job_env, start
 
 BOUND = 60.0  # seconds from the failure (or the signal) to the last process of the job gone (issue 14)
 STARTUP = 420.0  # compile and first steps, on 2 busy cores
@@ -30,18 +30,6 @@ MODES: dict[str, dict[str, Any]] = {
     "pipeline": {"devices": 2, "sgdtp": {"pipeline_stages": 2, "pipeline_chunks": 4}, "batch": 8},
     "pipeline_x_data": {"devices": 4, "sgdtp": {"pipeline_stages": 2, "pipeline_chunks": 2}, "batch": 4},
 }
-
-
-def _job_alive(pgid: int) -> bool:
-    """Is any process of session ``pgid`` (the job: launcher, ranks, compile workers) still running (not a zombie)?"""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == pgid and fields[0] != "Z":  # field 6 of stat: the session id
-            return True
-    return False
 
 
 def _run_until(tmp_path: Path, scenario: dict[str, Any], strike: Any) -> tuple[float, int, str]:
@@ -57,10 +45,10 @@ def _run_until(tmp_path: Path, scenario: dict[str, Any], strike: Any) -> tuple[f
                 pytest.fail(f"the job never reached step 1 (rc={proc.returncode}):\n{out[-5000:]}")
             time.sleep(0.2)
         struck = strike(proc)
-        while _job_alive(proc.pid) and time.time() - struck < BOUND + 60:
+        while group_alive(proc.pid) and time.time() - struck < BOUND + 60:
             time.sleep(0.2)
         ended = time.time() - struck
-        alive = _job_alive(proc.pid)
+        alive = group_alive(proc.pid)
     finally:
         out, _, _ = finish(proc, 10)
     assert not alive, f"processes of the job were left behind {ended:.0f} s after the failure:\n{out[-5000:]}"

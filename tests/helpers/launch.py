@@ -76,6 +76,19 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str, bool]:
     return out, err or "", timed_out
 
 
+def group_alive(pgid: int) -> bool:
+    """Is any process of process group ``pgid`` still running (a job started by :func:`start`: its launcher, its
+    ranks, their compile workers)? Zombies (dead, not yet reaped) do not count."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
 def run(cmd: list[str], timeout: float = 420, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` to completion (stderr merged into stdout); a timeout fails the test with the output tail."""
     proc = start(cmd, env)
