@@ -153,6 +153,11 @@ class Liveness:
         os._exit(1)
 
     # ------------------------------------------------------------------------------------------ report
+    @property
+    def reported(self) -> bool:
+        """This rank has told the peers that it fails."""
+        return self._reported
+
     def report(self, exc: BaseException, primary: bool) -> None:
         """Tell the peers that this rank fails, and why (``primary``: its own error, not a consequence)."""
         if self._reported:
@@ -330,7 +335,7 @@ class FaultGuard:
     @property
     def failed(self) -> bool:
         """This rank has reported a failure (its own, or a peer's it stopped for)."""
-        return self.liveness is not None and self.liveness._reported
+        return self.liveness is not None and self.liveness.reported
 
     def where(self) -> str:
         """What the heartbeat says this rank is doing (``in training_step at step 2``)."""

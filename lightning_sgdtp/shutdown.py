@@ -13,7 +13,7 @@ doing. A daemon thread reads the pipe; from then on the main thread has ``grace`
 the thread tells the peers (the failure report of :mod:`lightning_sgdtp.faults`: they end within seconds,
 naming this rank), prints why on stderr and ends the process with ``os._exit`` (128 + the signal; 1 after a
 failure). A failed rank starts the same countdown from :meth:`ShutdownWatchdog.failed`, and at interpreter exit
-it leaves at once (:func:`_leave_failed`): its traceback is printed by then, and nothing it could still do is
+it leaves at once (:func:`_leave_failed_at_exit`): its traceback is printed by then, and nothing it could still do is
 worth a hang.
 
 The preemption signal (``SIGUSR1`` by default, see :mod:`lightning_sgdtp.preemption`) is not watched: it asks for
@@ -147,6 +147,7 @@ class ShutdownWatchdog:
         with contextlib.suppress(Exception):
             self.tell_peers(f"rank {self.rank} {self._reason}")
         with contextlib.suppress(Exception):
+            log.error(message)
             print(message, file=sys.stderr, flush=True)
             sys.stdout.flush()
         os._exit(self._code)
