@@ -46,6 +46,17 @@ def negative_control() -> bool:
     return os.environ.get(NEGATIVE_CONTROL_ENV) == NO_DP_SYNC
 
 
+def plain_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:
+    """A replicated (plain) parameter applied to tensor-parallel activations gets a DTensor gradient: partial sums
+    over the tensor-parallel group (Qwen3's per-head ``q_norm``, T5's position bias). Sum it into a plain tensor,
+    as the parameter is, so that the optimizer can apply it."""
+    from torch.distributed.tensor import DTensor
+
+    for p in parameters:
+        if isinstance(p.grad, DTensor) and not isinstance(p, DTensor):
+            p.grad = p.grad.full_tensor()
+
+
 class GradSync:
     """Before backward, after backward, at the optimizer step: see the module docstring.
 
@@ -71,6 +82,8 @@ class GradSync:
         preemption: PreemptionCoordinator | None = None,
     ) -> None:
         wire = getattr(torch, config.comm_dtype_name) if config.comm_dtype_name else None
+        named_parameters = list(named_parameters)
+        self.parameters = [p for _, p in named_parameters]
         self.ledger = GradLedger(named_parameters, group, config.bucket_cap_bytes, wire)
         self.compiler = compiler
         self.group = group
@@ -115,6 +128,7 @@ class GradSync:
 
     def after_backward(self) -> None:
         """Average what the compiled graphs did not (what the ranks agreed on before backward)."""
+        plain_gradients(self.parameters)
         if self._record is None:
             return
         record, self._record = self._record, None

@@ -135,6 +135,14 @@ class SGDTPCompiler:
                 with self.compile_lock():
                     return compile_fx_inner(g, inputs, **kwargs)
             outputs = g.graph.output_node().args[0]
+            if len(outputs) != offsets[-1] and not sync:
+                # Nothing to average in this graph (a data-parallel group of one): the mapping is only reported.
+                decided = GraphBuckets(graph_id, False, str(group_name), world_size, sorted(grad_outputs.values()))
+                self.graphs.append(decided)
+                if self.on_graph is not None:
+                    self.on_graph(decided)
+                with self.compile_lock(), _salted(salt):
+                    return compile_fx_inner(g, inputs, **kwargs)
             if len(outputs) != offsets[-1]:
                 raise RuntimeError(
                     f"sgdtp: backward graph {graph_id} has {len(outputs)} gradient outputs for"

@@ -126,6 +126,16 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
             "nn.MultiheadAttention keeps q, k and v in one parameter and its head count fixed; DTensor styles"
             " cannot split it by head"
         )
+    # A per-head bias computed once and handed to every layer (T5's relative position bias) has all the heads: the
+    # attention of every layer of that class must keep all its heads.
+    biased = {type(m) for m in named.values() if isinstance(getattr(m, "relative_attention_bias", None), nn.Module)}
+    for name, m in named.items():
+        if type(m) in biased and not _inside(name, opaque):
+            opaque.append(name)
+            plan.replicated[name] = (
+                "a relative position bias over all heads is computed once and shared by the layers (T5): the heads"
+                " of this attention cannot be split"
+            )
     # 1. Column -> row pairs inside one parent module (attention, MLP).
     paired: set[str] = set()
     for parent_name, parent in named.items():
