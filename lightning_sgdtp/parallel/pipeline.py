@@ -83,6 +83,12 @@ def micro_batch_count(batch_size: int, chunks: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------ contract
+def _is_collective_error(exc: BaseException) -> bool:
+    """A send/recv or collective failed (a peer's failure, reported as such by the fault guard), not this rank."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(s in text for s in ("gloo", "NCCL", "c10d", "Connection"))
+
+
 class _Captured(Exception):
     def __init__(self, args: tuple, kwargs: dict) -> None:
         super().__init__()
@@ -284,6 +290,7 @@ class _Built:
     stages: list[Any]
     schedule: Any
     chunks: int
+    ran: bool = False  # a first run that fails is the model's contract failing, named as such
 
 
 @dataclass
@@ -525,11 +532,28 @@ class PipelineRunner:
         step = built.schedule.step if hook == "training_step" else built.schedule.eval
         step_args = args if self.has_first else ()
         step_kwargs = kwargs if self.has_first else {}
-        if hook == "training_step":
-            step(*step_args, target=target, losses=losses, return_outputs=False, **step_kwargs)
-        else:
-            with torch.no_grad():
-                step(*step_args, target=target, losses=losses, **step_kwargs)
+        try:
+            if hook == "training_step":
+                step(*step_args, target=target, losses=losses, return_outputs=False, **step_kwargs)
+            else:
+                with torch.no_grad():
+                    step(*step_args, target=target, losses=losses, **step_kwargs)
+        except (PipelineContractError, _Captured):
+            raise
+        except Exception as exc:
+            if built.ran or _is_collective_error(exc):
+                raise
+            root: BaseException = exc  # torch's schedule wraps the stage's error: name the original one
+            while root.__cause__ is not None:
+                root = root.__cause__
+            cause = f"{type(root).__name__}: {str(root).strip().splitlines()[0] if str(root).strip() else ''}"[:300]
+            raise PipelineContractError(
+                f"the traced stages of {type(self.module).__name__} fail at their first run on this rank (stages"
+                f" {self.stage_ids}), before any weight changed: {cause}. This model is not supported with"
+                " pipeline_stages yet (see docs/model-support.md); train it with parallelism='data', 'tensor' or"
+                " 'hybrid'."
+            ) from exc
+        built.ran = True
         payload: list[Any] = [None]
         if self.has_last:
             mean = math.fsum(self._losses.values()) / len(self._losses) if self._losses else None
