@@ -73,8 +73,10 @@ def test_a_failure_on_one_rank_ends_the_job(tmp_path: Path, mode: str) -> None:
     assert code != 0, out[-4000:]
     assert ended <= BOUND, f"{mode}: the job took {ended:.0f} s to end after the failure:\n{out[-4000:]}"
     assert "InjectedFailure: injected failure in training_step on rank 1 at step 2" in out, out[-4000:]
-    # the other ranks name rank 1 and its error (RankLostError, or the watchdog's message)
-    assert "rank 1" in out and ("RankLostError" in out or "is ending itself" in out), out[-4000:]
+    # The launcher (rank 0) names rank 1 and its error (RankLostError, or the watchdog's message), unless
+    # Lightning's own observer SIGKILLed it first (rc -9: it does so the moment a child exits non-zero).
+    if code != -9:
+        assert "rank 1" in out and ("RankLostError" in out or "is ending itself" in out), out[-4000:]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM])
