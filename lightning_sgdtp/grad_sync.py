@@ -132,6 +132,10 @@ class GradSync:
         if self._record is None:
             return
         record, self._record = self._record, None
+        # A graph compiled during this backward may have left its gradients to the fallback (every rank alike).
+        moved = {i for i in record.graph if i not in self.compiler.graph_param_ids}
+        record.graph -= moved
+        record.eager |= moved
         self._note_fallback(self.ledger.sync(record))
 
     # -------------------------------------------------------------------------------- pipelined engine

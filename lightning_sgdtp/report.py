@@ -54,8 +54,10 @@ class PlanReport:
         """The line of one compiled backward graph: its buckets, or that it has no in-graph collectives."""
         self._announced.add(graph.graph_id)
         if not graph.in_graph_sync:
+            why = f" ({graph.fallback})" if graph.fallback else ""
             self.say(
                 f"graph {graph.graph_id} {origin}: {len(graph.params)} parameter gradients, no in-graph collectives"
+                + why
             )
             return
         sizes = ", ".join(size(b.wire_bytes) for b in graph.buckets)

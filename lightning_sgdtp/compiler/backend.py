@@ -135,20 +135,25 @@ class SGDTPCompiler:
                 with self.compile_lock():
                     return compile_fx_inner(g, inputs, **kwargs)
             outputs = g.graph.output_node().args[0]
-            if len(outputs) != offsets[-1] and not sync:
-                # Nothing to average in this graph (a data-parallel group of one): the mapping is only reported.
+            if len(outputs) != offsets[-1]:
+                # AOTAutograd gave some input more gradient outputs than it has leaves (a plain parameter applied
+                # to tensor-parallel activations gets a DTensor gradient): which output belongs to which parameter
+                # is not known, so no collective goes into this graph. Its gradients are averaged after backward
+                # (the ledger's fallback; GradSync moves them there), said in the plan and in one line.
+                if sync:
+                    self.graph_param_ids.difference_update(id(v) for v in params.values())
                 decided = GraphBuckets(graph_id, False, str(group_name), world_size, sorted(grad_outputs.values()))
+                decided.fallback = (
+                    f"{len(outputs)} gradient outputs for {offsets[-1]} flattened inputs: gradients averaged after"
+                    " backward"
+                    if sync
+                    else None
+                )
                 self.graphs.append(decided)
                 if self.on_graph is not None:
                     self.on_graph(decided)
                 with self.compile_lock(), _salted(salt):
                     return compile_fx_inner(g, inputs, **kwargs)
-            if len(outputs) != offsets[-1]:
-                raise RuntimeError(
-                    f"sgdtp: backward graph {graph_id} has {len(outputs)} gradient outputs for"
-                    f" {offsets[-1]} flattened graph inputs (AOTAutograd deduplicated or merged inputs); refusing to"
-                    " guess which gradient belongs to which parameter. Please report this with your model."
-                )
             if sync:
                 decided = insert_bucketed_allreduce(
                     g,

@@ -65,6 +65,8 @@ class GraphBuckets:
     world_size: int
     params: list[str] = field(default_factory=list)
     buckets: list[Bucket] = field(default_factory=list)
+    #: Why a graph over a data-parallel group has no in-graph collectives (its gradients go to the fallback).
+    fallback: str | None = None
 
     @property
     def wire_bytes(self) -> int:
