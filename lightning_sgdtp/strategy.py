@@ -125,6 +125,7 @@ class SGDTPStrategy(ParallelStrategy):
         broadcast_buffers: bool | None = None,
         collective_timeout: float | None = None,
         rendezvous_timeout: float | None = None,
+        shutdown_grace: float | None = None,
         verify_artifacts: bool | None = None,
         trusted_key: str | None = None,
         signing_key: str | None = None,

@@ -97,7 +97,7 @@ def run_cell(model: str, mode: Mode, out: Path, timeout: float) -> dict[str, Any
     if code == 0 and (out / "sgdtp.pt").exists():
         return {"status": "works", "seconds": seconds, **_compare(out, mode)}
     error = _error_line(str(output))
-    refused = any(error.startswith(name) or f".{name}:" in error for name in REFUSALS)
+    refused = any(error.startswith(f"{name}:") for name in REFUSALS)
     return {"status": "refused" if refused else "FAILS", "seconds": seconds, "error": error}
 
 
@@ -119,7 +119,11 @@ def _compare(out: Path, mode: Mode) -> dict[str, Any]:
 
 
 def _error_line(output: str) -> str:
-    """The last exception line of the output (``Type: message``), without the ``[rankN]:`` prefixes."""
+    """The strategy's own refusal, wherever a rank printed it (a peer may quote it); else the last exception line
+    of the output (``Type: message``), without the ``[rankN]:`` prefixes."""
+    refusal = re.search(rf"({'|'.join(REFUSALS)}): .*", output)
+    if refusal:  # (a peer quoting it adds its own words after a closing parenthesis)
+        return refusal.group(0).split(") and this rank")[0].strip()[:400]
     lines = [re.sub(r"^\[rank\d+\]:\s*", "", line) for line in output.splitlines()]
     errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*:", line) or "TIMEOUT" in line]
     return (errors[-1] if errors else (lines[-1] if lines else "no output")).strip()[:400]
@@ -147,7 +151,7 @@ def render(results: dict[str, dict[str, dict[str, Any]]], versions: dict[str, st
         "with the same model trained in one process on the same global batches. SGD, not AdamW: Adam-type optimizers",
         "turn noise-level gradients (summation order) into lr-sized steps and hide the comparison.",
         "",
-        f"Run: {started}, {took / 60:.0f} min. " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
+        f"Run: {started}, {took / 60:.0f} min of cells. " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
         "",
         "Cell: **ok** `rel` = relative difference of the parameter updates after 4 steps, whole state dict (buffers",
         "included), tolerance 1e-3 (fp32) / 0.15 (bf16-mixed); **refused** = the strategy's own error at setup (reason",
@@ -193,12 +197,23 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/sgdtp-model-support"))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
     parser.add_argument("--resume", action="store_true", help="keep the cells WORK/results.json has already")
+    parser.add_argument(
+        "--render", action="store_true", help="run nothing: write the page from WORK/results.json (a run cut short)"
+    )
     args = parser.parse_args()
-    started, t0 = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), time.perf_counter()
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     results: dict[str, dict[str, dict[str, Any]]] = {}
     saved = args.work / "results.json"
     if args.resume and saved.exists():
         results = json.loads(saved.read_text())
+        if (args.work / "run.json").exists():  # the page says when the first of the resumed runs began
+            started = json.loads((args.work / "run.json").read_text())["started"]
+    if args.render:  # the cells a run cut short left, with their own timing: only what was measured
+        results = json.loads(saved.read_text())
+        meta = json.loads((args.work / "run.json").read_text())
+        args.out.write_text(render(results, meta["versions"], meta["started"], meta["seconds"]))
+        print(f"wrote {args.out}")
+        return
     for mode in args.modes:  # column by column: a run cut short leaves whole columns
         for model in args.models:
             if mode in results.get(model, {}):
@@ -210,7 +225,11 @@ def main() -> None:
                 f"{model:8s} {mode:32s} {cell['status']:8s} {cell.get('rel', cell.get('error', ''))!s:.160}", flush=True
             )
             saved.write_text(json.dumps(results, indent=1))
-    args.out.write_text(render(results, _versions(), started, time.perf_counter() - t0))
+            seconds = sum(c["seconds"] for row in results.values() for c in row.values())
+            meta = {"versions": _versions(), "started": started, "seconds": seconds}
+            (args.work / "run.json").write_text(json.dumps(meta))
+    seconds = sum(c["seconds"] for row in results.values() for c in row.values())
+    args.out.write_text(render(results, _versions(), started, seconds))
     print(f"wrote {args.out}")
 
 
