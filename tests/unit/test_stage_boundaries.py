@@ -59,9 +59,14 @@ def test_views_at_a_stage_boundary_become_contiguous_and_results_stay_equal() ->
 def test_a_gradient_sent_backward_is_made_contiguous() -> None:
     strided = torch.randn(4, 6).mT
     dense = torch.randn(6, 4)
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:  # P2POp needs a process group to name its peer; one of one rank, gone after the test
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    ops = [dist.P2POp(dist.isend, strided, 0), dist.P2POp(dist.isend, dense, 0)]
-    sent = _dense_sends(lambda chunk: ops)(0)
-    assert all(op.tensor.is_contiguous() for op in sent)
-    assert torch.equal(sent[0].tensor, strided) and sent[1] is ops[1]  # copied only where needed
+    try:
+        ops = [dist.P2POp(dist.isend, strided, 0), dist.P2POp(dist.isend, dense, 0)]
+        sent = _dense_sends(lambda chunk: ops)(0)
+        assert all(op.tensor.is_contiguous() for op in sent)
+        assert torch.equal(sent[0].tensor, strided) and sent[1] is ops[1]  # copied only where needed
+    finally:
+        if created:
+            dist.destroy_process_group()
