@@ -182,6 +182,16 @@ def render(results: dict[str, dict[str, dict[str, Any]]], versions: dict[str, st
                              f" {cell['grads_compared']}/{cell['grads_expected']}")  # fmt: skip
                 cells.append(f"{cell['status']} [{len(notes)}]")
         lines.append(f"| {model}: {ZOO[model].family} | " + " | ".join(cells) + " |")
+    missing = [m for m in MODES if m not in modes]
+    blank = sum(1 for row in results.values() for m in modes if m not in row) + sum(
+        1 for m in ZOO if m not in results
+    ) * len(modes)
+    if missing or blank:
+        lines += [
+            "",
+            f"Not run in this run (it was cut short; `python tools/model_support.py --resume` continues it): {blank}"
+            " blank cell(s) above" + (f", and the modes {', '.join(missing)}" if missing else "") + ".",
+        ]
     lines += ["", "## What did not work, and why", ""] + (notes or ["Every cell worked."])
     lines += ["", "Seconds per cell (both trainings, compile included):", ""]
     for model, row in results.items():
