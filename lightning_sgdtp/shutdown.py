@@ -58,8 +58,6 @@ class ShutdownWatchdog:
         self._code = 1
         self._wake = threading.Event()
         self._read_fd = self._write_fd = -1
-        self._previous_fd = -1
-        self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------------------------------- start
     def install(self) -> bool:
@@ -84,9 +82,7 @@ class ShutdownWatchdog:
         return True
 
     def _start_thread(self, target: Callable[[], None], name: str) -> None:
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        threading.Thread(target=target, name=name, daemon=True).start()
 
     def close(self) -> None:
         """At the end of teardown: stop watching signals, and stop a failure's countdown (the main thread made it

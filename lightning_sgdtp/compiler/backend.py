@@ -142,13 +142,11 @@ class SGDTPCompiler:
                 # (the ledger's fallback; GradSync moves them there), said in the plan and in one line.
                 if sync:
                     self.graph_param_ids.difference_update(id(v) for v in params.values())
-                decided = GraphBuckets(graph_id, False, str(group_name), world_size, sorted(grad_outputs.values()))
-                decided.fallback = (
-                    f"{len(outputs)} gradient outputs for {offsets[-1]} flattened inputs: gradients averaged after"
-                    " backward"
-                    if sync
-                    else None
-                )
+                why = f"{len(outputs)} gradient outputs for {offsets[-1]} flattened inputs: gradients averaged after backward"
+                decided = GraphBuckets(
+                    graph_id, False, str(group_name), world_size, sorted(grad_outputs.values()),
+                    fallback=why if sync else None,
+                )  # fmt: skip
                 self.graphs.append(decided)
                 if self.on_graph is not None:
                     self.on_graph(decided)

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_sgdtp.comm import all_reduce_flat
+from lightning_sgdtp.faults import is_distributed_error
 from lightning_sgdtp.parallel.pipeline_split import PipelineSplit
 from lightning_sgdtp.parallel.stage_boundaries import make_boundaries_contiguous, send_contiguous
 
@@ -83,12 +84,6 @@ def micro_batch_count(batch_size: int, chunks: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------ contract
-def _is_collective_error(exc: BaseException) -> bool:
-    """A send/recv or collective failed (a peer's failure, reported as such by the fault guard), not this rank."""
-    text = str(exc)
-    return isinstance(exc, dist.DistError) or any(s in text for s in ("gloo", "NCCL", "c10d", "Connection"))
-
-
 class _Captured(Exception):
     def __init__(self, args: tuple, kwargs: dict) -> None:
         super().__init__()
@@ -541,7 +536,7 @@ class PipelineRunner:
         except (PipelineContractError, _Captured):
             raise
         except Exception as exc:
-            if built.ran or _is_collective_error(exc):
+            if built.ran or is_distributed_error(exc):
                 raise
             root: BaseException = exc  # torch's schedule wraps the stage's error: name the original one
             while root.__cause__ is not None:
