@@ -46,7 +46,8 @@ def all_reduce_flat(
         sent += wire.numel() * wire.element_size()
         inflight.append((parts, flat, wire, dist.all_reduce(wire, group=group, async_op=True)))
     for parts, flat, wire, work in inflight:
-        work.wait()
+        with torch.profiler.record_function("sgdtp: wait"):
+            work.wait()
         if wire is not flat:
             flat.copy_(wire)
         offset = 0

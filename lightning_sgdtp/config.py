@@ -37,7 +37,10 @@ class SGDTPConfig:
         parallelism: ``"data"`` (every rank a replica), ``"tensor"`` (every rank holds a slice of each split layer:
             one tensor-parallel group of all ranks) or ``"hybrid"`` (a 2-D mesh: data parallel across groups of
             ``tensor_parallel_size`` ranks). See ``docs/tensor-parallel.md``.
-        bucket_cap_mb: Upper bound of one fused gradient all-reduce, in MiB (like DDP's ``bucket_cap_mb``).
+        bucket_cap_mb: ``"auto"`` (default): bucket boundaries chosen per backward graph by a cost model measured at
+            setup (all-reduce latency and bandwidth on the data-parallel group, compute and memory throughput)
+            over the order in which backward produces the gradients; see ``docs/speed.md``. A number: an upper
+            bound of one fused gradient all-reduce, in MiB (like DDP's ``bucket_cap_mb``).
         grad_comm_dtype: ``None`` (communicate in the gradient's dtype) or ``"bf16"``: halves the bytes sent;
             lossy (gradients are rounded to bfloat16 before the sum).
         overlap: Schedule bucket all-reduces to overlap backward compute (the point of the plugin). ``False``
@@ -84,10 +87,17 @@ class SGDTPConfig:
         pipeline_balance: ``"params"`` (default: balance the automatic split by parameter count) or
             ``"measured"`` (time each block's forward on the first batch, balance by that).
         pipeline_stages_per_rank: stages each rank holds with ``"interleaved_1f1b"`` (default 2).
+        optimizer_update: how the optimizers from ``configure_optimizers`` update: ``"auto"`` (default: torch's
+            fused kernel where it has one for the optimizer and device, else the step compiled by
+            ``torch.compile``; user choices of ``fused``/``foreach`` kept), ``"fused"``, ``"compiled"`` or
+            ``"eager"`` (as configured). See ``docs/speed.md``.
+        profile_steps: ``(first, last)``: record optimizer steps ``first`` .. ``last`` (inclusive) with
+            torch.profiler on every rank and write a timeline (a trace per rank for Perfetto / Chrome, and one HTML
+            page of a step) into ``sgdtp_timeline/`` next to the logs. See ``docs/speed.md``.
     """
 
     parallelism: Literal["data", "tensor", "hybrid"] = "data"
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | str = "auto"
     grad_comm_dtype: str | None = None
     overlap: bool = True
     activation_checkpointing: bool = False
@@ -108,6 +118,8 @@ class SGDTPConfig:
     tensor_parallel_size: Any | None = None
     tp_plan: dict[str, str] | None = None
     sequence_parallel: bool | None = None
+    optimizer_update: str = "auto"
+    profile_steps: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.parallelism not in PARALLELISMS:
@@ -117,9 +129,12 @@ class SGDTPConfig:
             )
         self._check_pipeline()
         self._check_tensor_parallel()
-        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
-            raise SGDTPConfigError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be a number of MiB, e.g. 25.")
-        if not self.bucket_cap_mb > 0:
+        cap = self.bucket_cap_mb
+        if cap != "auto" and (isinstance(cap, bool) or not isinstance(cap, (int, float))):
+            raise SGDTPConfigError(
+                f"bucket_cap_mb={cap!r} must be 'auto' (buckets sized by measurement) or a number of MiB, e.g. 25."
+            )
+        if cap != "auto" and not cap > 0:
             raise SGDTPConfigError(
                 f"bucket_cap_mb={self.bucket_cap_mb!r} must be > 0 (MiB per fused all-reduce). Use e.g. 25,"
                 " or a very large value for a single bucket."
@@ -129,6 +144,14 @@ class SGDTPConfig:
                 f"grad_comm_dtype={self.grad_comm_dtype!r} is not supported. Use None (communicate in the"
                 " gradient's own dtype) or 'bf16' (half the bytes, lossy)."
             )
+        from lightning_sgdtp.optim import UPDATES
+
+        if self.optimizer_update not in UPDATES:
+            raise SGDTPConfigError(
+                f"optimizer_update={self.optimizer_update!r} is not known. Use one of {list(UPDATES)}: 'auto'"
+                " (fused kernel or compiled step where possible), 'fused', 'compiled' or 'eager' (as configured)."
+            )
+        self._check_profile_steps()
         for name in ("overlap", "activation_checkpointing", "broadcast_buffers", "verify_artifacts"):
             if not isinstance(getattr(self, name), bool):
                 raise SGDTPConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
@@ -152,6 +175,23 @@ class SGDTPConfig:
                 f"signing_key={key!r} is neither 'gpg:KEY' (a gpg key id, fingerprint or email) nor a PEM private key"
                 " file."
             )
+
+    def _check_profile_steps(self) -> None:
+        steps = self.profile_steps
+        if steps is None:
+            return
+        ok = (
+            isinstance(steps, (tuple, list))
+            and len(steps) == 2
+            and all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+            and 0 <= steps[0] <= steps[1]
+        )
+        if not ok:
+            raise SGDTPConfigError(
+                f"profile_steps={steps!r} must be (first, last): two optimizer-step numbers with 0 <= first <= last,"
+                " e.g. (10, 12). Leave the first steps out: they compile."
+            )
+        object.__setattr__(self, "profile_steps", tuple(steps))
 
     @property
     def pipelined(self) -> bool:
@@ -289,7 +329,13 @@ class SGDTPConfig:
 
     @property
     def bucket_cap_bytes(self) -> int:
-        return max(1, int(self.bucket_cap_mb * 2**20))
+        """The cap in bytes; with ``"auto"`` the cap of the eager fallback and of what is not planned by the cost
+        model (25 MiB, DDP's default)."""
+        return max(1, int((25.0 if self.measured_buckets else self.bucket_cap_mb) * 2**20))
+
+    @property
+    def measured_buckets(self) -> bool:
+        return self.bucket_cap_mb == "auto"
 
     @property
     def comm_dtype_name(self) -> str | None:

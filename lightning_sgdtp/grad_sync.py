@@ -11,7 +11,8 @@ The sequence, in this order:
 
 - **before backward** (compiled engine): walk the autograd graph from the loss, then agree with every rank on
   what the fallback will send and check that all ranks run the same in-graph collectives (one small all-reduce
-  that also carries the preemption flag);
+  that also carries the preemption flag; asynchronous: waited for before backward only when this rank's record
+  changed, else after backward);
 - **after backward**: the fallback averages what the graphs did not (the pipelined engine classifies its stages'
   gradients here, agrees with its data-parallel replicas, then sums tied weights over the pipeline);
 - **at the optimizer step**: close the step and prove that every gradient the optimizer steps was averaged
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
 from lightning_sgdtp.config import SGDTPConfig
-from lightning_sgdtp.ledger import BackwardRecord, GradLedger, walk_autograd_graph
+from lightning_sgdtp.ledger import Agreement, BackwardRecord, GradLedger, walk_autograd_graph
 from lightning_sgdtp.preemption import PreemptionCoordinator
 
 NEGATIVE_CONTROL_ENV = "SGDTP_NEGATIVE_CONTROL"
@@ -94,7 +95,10 @@ class GradSync:
         #: Parameters synced by the fallback after a step in which the graphs should have covered them.
         self.fallback_params: list[str] = []
         self._accumulating = False
-        self._record: BackwardRecord | None = None
+        self._pending: Agreement | None = None
+        self._fingerprint: tuple | None = None
+        #: How many backwards waited for the agreement before running (record changed), the rest after.
+        self.waits_before_backward = 0
         if not self.enabled:
             say(
                 f"NEGATIVE CONTROL ({NEGATIVE_CONTROL_ENV}={NO_DP_SYNC}): no data-parallel gradient averaging at all;"
@@ -120,18 +124,33 @@ class GradSync:
         if self._accumulating or not self.enabled:
             return
         record = walk_autograd_graph(loss, self.compiler.graph_param_ids)
-        # Agree before backward: a rank about to run other in-graph collectives fails here, not in a hang.
         stop = self.preemption is not None and self.preemption.requested
-        self._record = self.ledger.agree(record, everything=not self.in_graph, stop=stop)
+        self._pending = self.ledger.start_agreement(record, everything=not self.in_graph, stop=stop)
+        # A rank whose record changed (first step, a new graph, a new eager region) waits before backward, so that
+        # a rank about to run other in-graph collectives fails here, not in a hang. In the steady state the wait
+        # moves after backward: the agreement then rides behind the gradient buckets instead of lining the ranks
+        # up before backward (what a blocking all-reduce here cost: a rank barrier every step).
+        fingerprint = (frozenset(record.graph), frozenset(record.eager), self.in_graph)
+        if fingerprint != self._fingerprint:
+            self._fingerprint = fingerprint
+            self.waits_before_backward += 1
+            self._pending.result()
+
+    def _agreed(self) -> BackwardRecord | None:
+        """The agreement of this backward (waited for now if it was not yet); the preemption flag goes with it."""
+        if self._pending is None:
+            return None
+        record, self._pending = self._pending.result(), None
         if self.preemption is not None:
-            self.preemption.agree(self._record.stop)
+            self.preemption.agree(record.stop)
+        return record
 
     def after_backward(self) -> None:
         """Average what the compiled graphs did not (what the ranks agreed on before backward)."""
         plain_gradients(self.parameters)
-        if self._record is None:
+        record = self._agreed()
+        if record is None:
             return
-        record, self._record = self._record, None
         # A graph compiled during this backward may have left its gradients to the fallback (every rank alike).
         moved = {i for i in record.graph if i not in self.compiler.graph_param_ids}
         record.graph -= moved

@@ -16,7 +16,8 @@ eagerly: averaging is idempotent on the part that is already averaged, so
 Ranks must issue the same collectives. Which parameters need the fallback can differ between ranks
 (data-dependent control flow, a parameter unused on one rank only), so the ranks first agree on the
 union with one tiny all-reduce of a bitmap; a rank without a gradient contributes zeros (DDP's
-``find_unused_parameters`` semantics).
+``find_unused_parameters`` semantics). The all-reduce is asynchronous: a rank whose record is the same as at its
+last step waits for it only after backward (no rank barrier before backward in the steady state).
 """
 
 from __future__ import annotations
@@ -79,6 +80,26 @@ def walk_autograd_graph(loss: Tensor, graph_param_ids: set[int]) -> BackwardReco
             else:
                 record.eager.add(id(variable))
     return record
+
+
+@dataclass
+class Agreement:
+    """An agreement all-reduce in flight (:meth:`GradLedger.start_agreement`)."""
+
+    ledger: GradLedger
+    flags: Tensor
+    graph: set[int]
+    work: dist.Work | None
+    _result: BackwardRecord | None = None
+
+    def result(self) -> BackwardRecord:
+        """Wait for the all-reduce (once) and decide; raises if ranks are about to run different graphs."""
+        if self._result is None:
+            if self.work is not None:
+                with torch.profiler.record_function("sgdtp: wait"):
+                    self.work.wait()
+            self._result = self.ledger._decide(self.flags, self.graph)
+        return self._result
 
 
 class GradLedger:
@@ -149,6 +170,22 @@ class GradLedger:
         ``group``: the ranks that agree (default: every rank, so that a stop request reaches all of them; a
         pipeline stage agrees with its data-parallel replicas only, which hold the same parameters).
         """
+        return self.start_agreement(record, everything, stop, group).result()
+
+    def start_agreement(
+        self,
+        record: BackwardRecord,
+        everything: bool = False,
+        stop: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> Agreement:
+        """:meth:`agree`, issued asynchronously: the all-reduce starts now, :meth:`Agreement.result` waits for it.
+
+        Every rank issues it at the same point (it is a collective); when each rank waits is its own choice. The
+        strategy waits at once only when this rank's record changed (a new graph, a new eager parameter), so
+        that a mismatch is caught before backward; otherwise the wait moves after backward, where the gradient
+        buckets have lined the ranks up anyway, and the agreement costs no rank barrier.
+        """
         if everything:
             accumulated = {id(p) for _, p in self.params if p.grad is not None}
             local, graph = accumulated | record.graph | record.eager, set()
@@ -156,8 +193,12 @@ class GradLedger:
             local, graph = record.eager, record.graph
         eager_flags, graph_flags = self._flags(local), self._flags(graph)
         both = torch.cat([eager_flags, graph_flags, -graph_flags, torch.tensor([int(stop)], dtype=torch.int32)])
+        work = None
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+            work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        return Agreement(self, both, graph, work)
+
+    def _decide(self, both: Tensor, graph: set[int]) -> BackwardRecord:
         n = len(self.params)
         union, graph_max, graph_min = both[:n], both[n : 2 * n], -both[2 * n : 3 * n]
         differ = (graph_max != graph_min).nonzero().flatten().tolist()

@@ -23,7 +23,7 @@ log = logging.getLogger("lightning.pytorch.sgdtp")
 
 PLAN_FILENAME = "sgdtp_plan.json"
 #: The parts of the plan whose change rewrites ``sgdtp_plan.json`` (the rest is fixed at setup or per step).
-_WATCHED = ("graphs", "fallback_params", "grad_sync", "pipeline")
+_WATCHED = ("graphs", "fallback_params", "grad_sync", "pipeline", "step_program")
 
 
 class PlanReport:
@@ -40,6 +40,7 @@ class PlanReport:
         self._breaks_at_setup: dict[str, int] = {}
         self._announced: set[int] = set()
         self._written: str | None = None
+        self._token: Any = None
 
     def say(self, message: str) -> None:
         if self.rank == 0:
@@ -61,16 +62,29 @@ class PlanReport:
             )
             return
         sizes = ", ".join(size(b.wire_bytes) for b in graph.buckets)
+        sizing = graph.sizing or {}
+        predicted = (
+            f"; cost model: backward {sizing['predicted_backward_ms']:.1f} ms, exposed {sizing['predicted_exposed_ms']:.1f}"
+            f" ms predicted (one bucket: {sizing['one_bucket_exposed_ms']:.1f} ms)"
+            if sizing.get("rule") == "measured"
+            else ""
+        )
         self.say(
             f"graph {graph.graph_id} {origin}: {len(graph.params)} parameter gradients in {len(graph.buckets)}"
-            f" bucket(s) [{sizes}], {size(graph.wire_bytes)} all-reduced per backward"
+            f" bucket(s) [{sizes}], {size(graph.wire_bytes)} all-reduced per backward{predicted}"
         )
 
     # ------------------------------------------------------------------------------------------ plan
-    def publish(self, plan: Callable[[], dict[str, Any]]) -> None:
+    def publish(self, plan: Callable[[], dict[str, Any]], token: Any = None) -> None:
         """After an optimizer step: log what is new (graph breaks, graphs taken from a cache), and rewrite the
-        plan file when what it says changed."""
-        for reason, count in _graph_break_counts().items():
+        plan file when what it says changed. ``token``: a cheap summary of what can change the plan (graphs,
+        fallback, ...); while it and the graph breaks stay the same, the plan is not even built (it is not free:
+        ~0.5 ms a step)."""
+        breaks = _graph_break_counts()
+        if token is not None and (token, breaks) == self._token:
+            return
+        self._token = (token, breaks)
+        for reason, count in breaks.items():
             new = count - self._breaks_at_setup.get(reason, 0)
             if new > 0:
                 short = short_reason(reason)
@@ -133,6 +147,7 @@ def plan_dict(
         "fallback_params": list(sync.fallback_params) if sync is not None else [],
         "last_step_sync": dict(ledger.last_step) if ledger else {},
         "bytes_per_step": {"in_graph": in_graph, "fallback": fallback, "total": in_graph + fallback},
+        "step_program": engine.program() if engine is not None else None,
     }
 
 

@@ -1,19 +1,11 @@
 """``SGDTPStrategy``: Lightning glue. Each hook delegates in a few lines; the algorithms live elsewhere.
 
-This is the only module of the package that imports Lightning; ``_registration`` derives the twin for
-projects that ``import pytorch_lightning`` from this very source (as Lightning derives its own mirror).
-Loops, callbacks, logging and checkpoint files stay Lightning's. The strategy owns the processes (one per
-device, a process group per the cluster environment, like ``DDPStrategy``) and hands the rest, once, to:
-
-- :class:`~lightning_sgdtp.layout.ParallelLayout`: pp x dp x tp sizes, the rank grid, the device mesh;
-- an engine, chosen once at setup: :class:`~lightning_sgdtp.engine.compiled.CompiledStep` (data, tensor,
-  hybrid) or :class:`~lightning_sgdtp.engine.pipelined.PipelinedStep`; each owns its
-  :class:`~lightning_sgdtp.grad_sync.GradSync`;
-- :class:`~lightning_sgdtp.report.PlanReport`: the ``sgdtp:`` lines on rank 0, ``strategy.plan``, ``sgdtp_plan.json``;
-- :class:`~lightning_sgdtp.faults.FaultGuard` and :class:`~lightning_sgdtp.preemption.PreemptionCoordinator`;
-- :mod:`lightning_sgdtp.checkpoints`: one-file and sharded checkpoints on any layout.
-
-``docs/how-it-works.md`` follows one step through them.
+The only module that imports Lightning (``_registration`` derives the ``pytorch_lightning`` twin from this
+source). Loops, callbacks, logging and checkpoint files stay Lightning's. The strategy owns the processes (as
+``DDPStrategy``) and hands the rest, once, to: the layout (``layout.ParallelLayout``), an engine
+(``engine.compiled.CompiledStep`` or ``engine.pipelined.PipelinedStep``, each with its ``GradSync``, optimizer
+updates and timeline), the report (``report.PlanReport``), faults and preemption, and checkpoints
+(``checkpoints``). ``docs/how-it-works.md`` follows one step through them.
 """
 
 from __future__ import annotations
@@ -69,6 +61,7 @@ from lightning_sgdtp.preemption import Preempted, PreemptionCoordinator
 from lightning_sgdtp.report import PlanReport, plan_dict
 from lightning_sgdtp.resume import ResumableLoader
 from lightning_sgdtp.shutdown import ShutdownWatchdog
+from lightning_sgdtp.timeline import CLOSURE_LABEL, OPTIMIZER_LABEL, label, labelled
 
 _OPTIONS = frozenset(SGDTPConfig.__dataclass_fields__)
 _BROADCAST_BUCKET_BYTES = 250 * 2**20
@@ -139,6 +132,8 @@ class SGDTPStrategy(ParallelStrategy):
         tensor_parallel_size: Any | None = None,
         tp_plan: dict[str, str] | None = None,
         sequence_parallel: bool | None = None,
+        optimizer_update: str | None = None,
+        profile_steps: tuple[int, int] | None = None,
         options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -361,6 +356,7 @@ class SGDTPStrategy(ParallelStrategy):
             )
             engine.setup_training(trainer.accumulate_grad_batches)
             self.setup_optimizers(trainer)
+            engine.setup_optimizers(self.optimizers)
             if self._preemption is not None and not any(
                 isinstance(c, _PreemptionCheckpoint) for c in trainer.callbacks
             ):
@@ -390,7 +386,7 @@ class SGDTPStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self._engine is not None and self.lightning_module is not None
         with self.precision_plugin.train_step_context():
-            return self._engine.training_step(args, kwargs, self.lightning_module.trainer, self.optimizers)
+            return self._engine.step(args, kwargs, self.lightning_module.trainer, self.optimizers)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -440,11 +436,14 @@ class SGDTPStrategy(ParallelStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        with self._guard("optimizer_step"):
-            out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._engine is not None and self._engine.grad_sync is not None:
-            self._engine.after_optimizer_step(optimizer, self.global_rank)
-            self._report.publish(lambda: self.plan)
+        assert self._engine is not None
+        self._engine.begin_step(self._global_step())  # the closure runs training_step: the step starts here
+        with self._guard("optimizer_step"), label(OPTIMIZER_LABEL):
+            out = super().optimizer_step(optimizer, labelled(closure, CLOSURE_LABEL), model, **kwargs)
+        self._engine.after_optimizer_step(optimizer, self.global_rank)
+        if self._engine.grad_sync is not None:
+            with label("sgdtp: publish plan"):
+                self._report.publish(lambda: self.plan, self._engine.plan_token())
         return out
 
     @override

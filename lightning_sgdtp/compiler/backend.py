@@ -29,11 +29,22 @@ import torch.distributed as dist
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from lightning_sgdtp.compiler.bucket_cost import CostModel
 from lightning_sgdtp.compiler.buckets import GraphBuckets, insert_bucketed_allreduce
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 
 PASS_VERSION = "sgdtp-grad-buckets-v1"
 OVERLAP_PASSES = ["reorder_communication_preserving_peak_memory", "sink_waits_iterative"]
+#: Inductor's own collective bucketing / overlap passes, off while it compiles a backward that carries our buckets:
+#: a user who switches them on globally (for another model) must not have our planned buckets merged or reordered.
+OURS_ALONE = {
+    "bucket_all_reduces_fx": "none",
+    "bucket_reduce_scatters_fx": "none",
+    "bucket_all_gathers_fx": "none",
+    "_fuse_ddp_communication": False,
+    "aten_distributed_optimizations.enable_overlap_scheduling": False,
+    "aten_distributed_optimizations.collective_bucketing": False,
+}
 
 
 class _CacheSalt(CustomGraphPass):
@@ -94,6 +105,8 @@ class SGDTPCompiler:
         #: AOTAutograd's cache: off by default (a hit skips this backend's pass, so no graph is reported; the
         #: salt keeps other compilers' entries out). The compile cache switches it on and restores the graphs.
         self.aot_cache = False
+        #: The measured cost model (``bucket_cap_mb="auto"``): bucket boundaries chosen by it; None: by the cap.
+        self.cost: CostModel | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SGDTPCompiler:
         # One backend object per compiled model, holding its process group (which cannot be copied) and what it
@@ -128,7 +141,8 @@ class SGDTPCompiler:
             self.graph_param_ids.update(id(v) for v in params.values())
         cfg = self.config
         wire_dtype = getattr(torch, cfg.comm_dtype_name) if cfg.comm_dtype_name else None
-        salt = f"{PASS_VERSION}:{sync}:{group_name}:{world_size}:{cfg.bucket_cap_bytes}:{wire_dtype}:{cfg.overlap}"
+        sizing = self.cost.key() if self.cost is not None else cfg.bucket_cap_bytes
+        salt = f"{PASS_VERSION}:{sync}:{group_name}:{world_size}:{sizing}:{wire_dtype}:{cfg.overlap}"
 
         def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
             if not kwargs.get("is_backward") or not grad_outputs:
@@ -162,6 +176,7 @@ class SGDTPCompiler:
                     wire_dtype=wire_dtype,
                     graph_id=graph_id,
                     overlap=cfg.overlap,
+                    cost=self.cost,
                 )
             else:
                 decided = GraphBuckets(
@@ -181,6 +196,7 @@ class SGDTPCompiler:
             with (
                 self.compile_lock(),  # the backward is compiled lazily, at the first backward: lock here too
                 _salted(salt),
+                torch._inductor.config.patch(OURS_ALONE) if sync else contextlib.nullcontext(),
                 torch._inductor.config.patch(overlap) if sync and cfg.overlap else contextlib.nullcontext(),
             ):
                 return compile_fx_inner(g, inputs, **kwargs)

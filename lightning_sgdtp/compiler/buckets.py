@@ -24,6 +24,8 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils._pytree import tree_map_only
 
+from lightning_sgdtp.compiler.bucket_cost import CostModel, node_seconds, plan_measured
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 c10d = torch.ops._c10d_functional
@@ -67,6 +69,8 @@ class GraphBuckets:
     buckets: list[Bucket] = field(default_factory=list)
     #: Why a graph over a data-parallel group has no in-graph collectives (its gradients go to the fallback).
     fallback: str | None = None
+    #: How the boundaries were chosen: ``{"rule": "cap", "cap_bytes": ...}`` or the cost model's prediction.
+    sizing: dict[str, Any] | None = None
 
     @property
     def wire_bytes(self) -> int:
@@ -129,6 +133,7 @@ def insert_bucketed_allreduce(
     wire_dtype: torch.dtype | None = None,
     graph_id: int = 0,
     overlap: bool = True,
+    cost: CostModel | None = None,
 ) -> GraphBuckets:
     """Insert one fused async all-reduce per bucket into backward graph ``gm`` (in place); return the buckets.
 
@@ -141,6 +146,8 @@ def insert_bucketed_allreduce(
         wire_dtype: dtype on the wire (``torch.bfloat16`` halves bytes); None keeps the gradient's dtype.
         overlap: True: every wait sits just before the output, so each bucket's all-reduce runs while the rest
             of backward computes. False: each wait follows its all-reduce at once (no overlap; a baseline).
+        cost: the measured cost model: boundaries chosen by :func:`~lightning_sgdtp.compiler.bucket_cost.plan_measured`
+            (``cap_bytes`` then unused); None: at most ``cap_bytes`` per bucket.
     """
     graph = gm.graph
     out_node = graph.output_node()
@@ -172,8 +179,21 @@ def insert_bucketed_allreduce(
         params=[grad_outputs[p] for n in produced for p in positions[n]],
     )
 
+    if cost is not None:
+        ready, elapsed, at = {}, 0.0, set(produced)
+        for n in graph.nodes:
+            elapsed += node_seconds(n, cost)
+            if n in at:
+                ready[n] = elapsed
+        measured = plan_measured(
+            [ready[n] for n in produced], [s.nbytes for s in slots], [s.dtype for s in slots], elapsed, cost
+        )
+        planned, decided.sizing = measured.buckets, measured.describe(cost)
+    else:
+        planned, decided.sizing = plan_buckets(slots, cap_bytes), {"rule": "cap", "cap_bytes": cap_bytes}
+
     pending: list[tuple[list[fx.Node], fx.Node, torch.dtype]] = []
-    for index, members in enumerate(plan_buckets(slots, cap_bytes)):
+    for index, members in enumerate(planned):
         nodes = [produced[i] for i in members]
         grad_dtype = nodes[0].meta["val"].dtype
         anchor = max(nodes, key=order.__getitem__)

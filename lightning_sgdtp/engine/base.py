@@ -10,6 +10,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,8 +21,10 @@ from lightning_sgdtp.config import SGDTPConfig
 from lightning_sgdtp.faults import FaultGuard
 from lightning_sgdtp.grad_sync import GradSync
 from lightning_sgdtp.layout import ParallelLayout
+from lightning_sgdtp.optim import OptimizerUpdates
 from lightning_sgdtp.preemption import PreemptionCoordinator
 from lightning_sgdtp.report import PlanReport
+from lightning_sgdtp.timeline import Timeline, label
 
 #: Bucket size of the eager parameter/buffer broadcasts (as DDP's).
 BROADCAST_BUCKET_BYTES = 250 * 2**20
@@ -66,6 +69,10 @@ class StepEngine(ABC):
         self.grad_sync: GradSync | None = None
         #: Blocks wrapped for activation checkpointing (names).
         self.checkpointed: list[str] = []
+        #: How the optimizers update (fused kernel, compiled step or as configured).
+        self.updates = OptimizerUpdates()
+        self.timeline: Timeline | None = None
+        self._step_number = -1
 
     # ------------------------------------------------------------------------------------------ setup
     @abstractmethod
@@ -76,7 +83,50 @@ class StepEngine(ABC):
     def setup_training(self, accumulate: int) -> None:
         """What training adds (``trainer.fit`` only): the backend, the gradient sync, their log lines."""
 
+    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """After Lightning made the optimizers (fitting): their update, and the timeline if asked for."""
+        self.updates.install(optimizers, self.config.optimizer_update, self.device, self.report.say)
+        if self.config.profile_steps is not None and self.timeline is None:
+            folder = lambda: self.report.folder or Path.cwd()
+            self.timeline = Timeline(self.config.profile_steps, folder, self.report.rank, self.report.say)
+
+    def program(self) -> dict[str, Any]:
+        """``plan["step_program"]``: which parts of a training step are compiled, and why any part is not."""
+        return {
+            "compiled": "forward + backward + the bucketed gradient all-reduces: one graph per region between"
+            " graph breaks (the 'graphs' entry)",
+            "optimizer_update": self.updates.describe(),
+            "eager": "Lightning's loop and hooks between backward and the update (on_after_backward,"
+            " on_before_optimizer_step, gradient clipping) and self.log / torchmetrics: user code that must see the"
+            " averaged gradients, run as written",
+            "timeline": self.timeline.describe() if self.timeline is not None else None,
+        }
+
+    def plan_token(self) -> tuple:
+        """What can change the plan, cheaply: the graphs, the fallback, the sync mode, the timeline; every step of
+        the first three (the pipeline and the compile cache settle there)."""
+        sync, graphs = self.grad_sync, self.compiler.graphs if self.compiler is not None else []
+        return (
+            len(graphs),
+            len(sync.fallback_params) if sync is not None else -1,
+            sync.in_graph if sync is not None else None,
+            self.timeline.outputs is not None if self.timeline is not None else None,
+            min(self._step_number, 3),
+        )
+
     # ------------------------------------------------------------------------------------------ steps
+    def step(self, args: tuple, kwargs: dict, trainer: Any, optimizers: list) -> Any:
+        """What the strategy calls for each ``training_step``: the timeline's bookkeeping, then the engine's step."""
+        self.begin_step(trainer.global_step if trainer is not None else -1)
+        with label("sgdtp: training_step"):
+            return self.training_step(args, kwargs, trainer, optimizers)
+
+    def begin_step(self, step: int) -> None:
+        """Optimizer step ``step`` begins (at its optimizer call, or at its first ``training_step``; idempotent)."""
+        self._step_number = step
+        if self.timeline is not None:
+            self.timeline.step_begins(step)
+
     @abstractmethod
     def training_step(self, args: tuple, kwargs: dict, trainer: Any, optimizers: list) -> Any:
         """One ``training_step``; returns what Lightning expects from it."""
@@ -97,7 +147,10 @@ class StepEngine(ABC):
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer, rank: int) -> None:
         """The coverage proof of the step (and what else an engine publishes after it)."""
         if self.grad_sync is not None:
-            self.grad_sync.at_optimizer_step(optimizer)
+            with label("sgdtp: coverage"):
+                self.grad_sync.at_optimizer_step(optimizer)
+        if self.timeline is not None:
+            self.timeline.step_ends(self._step_number)
 
     def on_train_end(self) -> None:
         """After ``fit``."""
@@ -125,4 +178,7 @@ class StepEngine(ABC):
             self.grad_sync.close()
 
     def teardown(self, barrier: Callable[[str], None]) -> None:
-        """End of a trainer function: undo what was installed on the module."""
+        """End of a trainer function: undo what was installed on the module and the optimizers."""
+        self.updates.restore()
+        if self.timeline is not None:
+            self.timeline.close()

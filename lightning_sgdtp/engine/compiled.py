@@ -26,7 +26,9 @@ from torch import Tensor, nn
 from torch.distributed.utils import _sync_params_and_buffers
 
 from lightning_sgdtp import compile_cache
+from lightning_sgdtp.compiler import bucket_cost
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
+from lightning_sgdtp.compiler.bucket_cost import CostModel
 from lightning_sgdtp.config import SGDTPConfigError
 from lightning_sgdtp.engine.base import BROADCAST_BUCKET_BYTES, EngineInputs, StepEngine
 from lightning_sgdtp.engine.prepare import PartPreparation, is_tensor_parallel, prepare_part
@@ -35,6 +37,7 @@ from lightning_sgdtp.grad_sync import GradSync
 from lightning_sgdtp.parallel.checkpointing import block_names
 from lightning_sgdtp.parallel.clipping import clip_grad_norm_
 from lightning_sgdtp.parallel.tensor import TensorPlan, TensorPlanError, auto_plan, resolve_plan
+from lightning_sgdtp.timeline import label
 
 
 class CompiledStep(StepEngine):
@@ -47,6 +50,7 @@ class CompiledStep(StepEngine):
         self._steps: dict[str, Callable] = {}
         self._compiled_for: tuple[int, bool] | None = None
         self._cache_published = False
+        self._cost: CostModel | None = None
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -106,9 +110,24 @@ class CompiledStep(StepEngine):
                 module.named_parameters(), self.compiler, self.dp_group, config, in_graph, say, self.preemption
             )
             self.report.count_breaks_from_now()
+            if config.measured_buckets and in_graph and self.layout.dp > 1 and self.grad_sync.enabled:
+                self.compiler.cost = self._cost_model()
         if config.compile_cache is not None:
             self._setup_compile_cache(in_graph)
         self._say_sync(accumulate)
+
+    def _cost_model(self) -> CostModel:
+        """The link and the device measured once per engine (a collective over the data-parallel group)."""
+        if self._cost is None:
+            with self.guard("measuring the link"):
+                self._cost = bucket_cost.measure(self.dp_group, self.device)
+            c = self._cost.describe()
+            self.report.say(
+                f"measured: all-reduce {c['all_reduce_latency_us']} us + {c['all_reduce_bandwidth_GBps']} GB/s on the"
+                f" data-parallel group, compute {c['compute_GFLOPs']} GFLOP/s, memory {c['memory_GBps']} GB/s"
+                " (slowest rank); bucket boundaries chosen per backward graph from these"
+            )
+        return self._cost
 
     def _say_sync(self, accumulate: int) -> None:
         say, layout, config = self.report.say, self.layout, self.config
@@ -117,8 +136,11 @@ class CompiledStep(StepEngine):
         elif layout.dp == 1:
             say("data-parallel group of 1: no gradient all-reduce; tensor-parallel collectives are in the graphs")
         elif accumulate == 1:
+            sizing = (
+                "sized by the measured cost model" if config.measured_buckets else f"of <= {config.bucket_cap_mb} MiB"
+            )
             say(
-                f"gradient sync inside the compiled backward: buckets of <= {config.bucket_cap_mb} MiB,"
+                f"gradient sync inside the compiled backward: buckets {sizing},"
                 f" {'overlapped with backward compute' if config.overlap else 'no overlap scheduling'}"
                 + (f", {config.grad_comm_dtype} on the wire (lossy)" if config.grad_comm_dtype else "")
             )
@@ -171,7 +193,8 @@ class CompiledStep(StepEngine):
         """The compiled ``training_step`` (``trainer``, ``optimizers``: what the pipelined engine needs)."""
         with self.guard("training_step"):
             if self.config.broadcast_buffers:
-                self._broadcast_buffers()
+                with label("sgdtp: broadcast buffers"):
+                    self._broadcast_buffers()
             with self.implicit_replication():
                 return self._compiled("training_step")(*args, **kwargs)
 
@@ -196,7 +219,7 @@ class CompiledStep(StepEngine):
 
     def before_backward(self, loss: Tensor) -> None:
         if self.grad_sync is not None:
-            with self.guard("backward"):
+            with self.guard("backward"), label("sgdtp: before backward"):
                 self.grad_sync.before_backward(loss)
 
     def backward(self, run_backward: Callable[[], None]) -> None:
@@ -205,7 +228,8 @@ class CompiledStep(StepEngine):
             with self.implicit_replication():
                 run_backward()
             if self.grad_sync is not None:
-                self.grad_sync.after_backward()
+                with label("sgdtp: after backward"):
+                    self.grad_sync.after_backward()
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer, rank: int) -> None:
         """The coverage proof; the compile cache is published once, after the first step (every graph of the
@@ -238,5 +262,6 @@ class CompiledStep(StepEngine):
         super().close()
 
     def teardown(self, barrier: Callable[[str], None]) -> None:
+        super().teardown(barrier)
         self._steps.clear()
         restore_bookkeeping(self.module)

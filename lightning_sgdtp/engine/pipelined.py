@@ -126,7 +126,7 @@ class PipelinedStep(StepEngine):
         if self.layout.dp > 1:
             self.report.say(
                 f"gradient sync inside each stage's compiled backward, over its data-parallel group of"
-                f" {self.layout.dp}: buckets of <= {self.config.bucket_cap_mb} MiB, once per micro-batch"
+                f" {self.layout.dp}: buckets of <= {self.config.bucket_cap_bytes / 2**20:g} MiB, once per micro-batch"
                 " (overlapped with the next micro-batches' compute)"
             )
         else:
@@ -230,6 +230,7 @@ class PipelinedStep(StepEngine):
         }
 
     def teardown(self, barrier: Callable[[str], None]) -> None:
+        super().teardown(barrier)
         # Pipeline sends may still be in flight on a neighbour: gloo aborts if a peer leaves mid-transfer.
         if dist.is_initialized():
             with contextlib.suppress(Exception):

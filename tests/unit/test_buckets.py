@@ -141,3 +141,41 @@ def test_registered_backend_sends_pipeline_options_to_the_strategy(fake_world: N
     step = torch.compile(mlp(), backend="sgdtp", options=options)
     with pytest.raises(Exception, match=r"Trainer\(strategy=SGDTPStrategy\(options=...\)\)"):
         step(torch.randn(2, 256))
+
+
+def test_measured_cost_model_plans_the_buckets_and_predicts_exposure(fake_world: None) -> None:
+    from lightning_sgdtp.compiler.bucket_cost import CostModel
+
+    torch._dynamo.reset()
+    compiler = SGDTPCompiler(SGDTPConfig())  # bucket_cap_mb="auto"
+    compiler.cost = CostModel(latency_s=5e-5, seconds_per_byte=1e-9, flops_per_s=2e9, bytes_per_s=1e10)
+    step = torch.compile(mlp(), backend=compiler)
+    step(torch.randn(8, 256)).sum().backward()
+    (plan,) = compiler.graphs
+    assert plan.sizing["rule"] == "measured"
+    assert plan.sizing["predicted_exposed_ms"] <= plan.sizing["one_bucket_exposed_ms"]
+    assert plan.sizing["predicted_backward_ms"] > 0
+    assert sum(b.numel for b in plan.buckets) == sum(p.numel() for p in mlp().parameters())
+    assert len(plan.buckets) >= 2  # with compute this slow next to the link, sending early pays
+    assert plan.buckets[-1].wire_bytes < plan.wire_bytes / 2  # a small last bucket
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_inductor_bucketing_switched_on_by_the_user_cannot_merge_our_buckets(
+    fake_world: None, guarded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user who turns on Inductor's own all-reduce bucketing globally: our planned buckets stay as planned. The
+    unguarded run (our guard emptied) shows that Inductor would merge them otherwise (the test can fail)."""
+    from lightning_sgdtp.compiler import backend
+
+    if not guarded:
+        monkeypatch.setattr(backend, "OURS_ALONE", {})
+    with torch._inductor.config.patch(bucket_all_reduces_fx="all"):
+        code, compiler = backward_code(overlap=True)
+    issued = [e for e in schedule(code) if e[0] == "all_reduce_"]
+    planned = len(compiler.graphs[0].buckets)
+    assert planned >= 3
+    if guarded:
+        assert len(issued) == planned, issued
+    else:
+        assert len(issued) < planned, issued

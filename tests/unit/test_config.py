@@ -10,7 +10,24 @@ from lightning_sgdtp import NotAvailableYetError, SGDTPConfig, SGDTPConfigError,
 def test_defaults_and_options_dict() -> None:
     cfg = SGDTPConfig.from_options({"distributed": {"plugin": "sgdtp", "strategy": "data", "bucket_cap_mb": 4}})
     assert cfg.parallelism == "data" and cfg.bucket_cap_mb == 4 and cfg.bucket_cap_bytes == 4 * 2**20
-    assert SGDTPConfig().bucket_cap_mb == 25
+    default = SGDTPConfig()
+    assert default.bucket_cap_mb == "auto" and default.measured_buckets and default.bucket_cap_bytes == 25 * 2**20
+    assert default.optimizer_update == "auto" and default.profile_steps is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"bucket_cap_mb": "big"}, "'auto'.*or a number of MiB"),
+        ({"optimizer_update": "fastest"}, "optimizer_update='fastest' is not known"),
+        ({"profile_steps": (12, 10)}, r"profile_steps=\(12, 10\) must be \(first, last\)"),
+        ({"profile_steps": 10}, "profile_steps=10 must be"),
+    ],
+)
+def test_speed_options_are_checked(kwargs: dict, match: str) -> None:
+    with pytest.raises(SGDTPConfigError, match=match):
+        SGDTPConfig(**kwargs)
+    assert SGDTPConfig(profile_steps=[3, 4]).profile_steps == (3, 4)
 
 
 def test_explicit_keywords_win_over_options() -> None:
