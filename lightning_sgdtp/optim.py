@@ -84,7 +84,7 @@ def _user_chose(optimizer: Optimizer) -> str | None:
         values = {g.get(key) for g in optimizer.param_groups} | {optimizer.defaults.get(key)}
         chosen = values - {None}
         if chosen:
-            return f"{key}={sorted(chosen, key=str)[0]}"
+            return f"{key}={min(chosen, key=str)}"
     return None
 
 

@@ -25,7 +25,7 @@ def train(m: nn.Module, opt: torch.optim.Optimizer, steps: int = 4, scheduler: b
     for _ in range(steps):
         x = torch.randn(8, 16, generator=g)
 
-        def closure() -> torch.Tensor:
+        def closure(x: torch.Tensor = x) -> torch.Tensor:
             opt.zero_grad()
             loss = m(x).pow(2).mean()
             loss.backward()
