@@ -34,6 +34,39 @@ def all_reduce_flat(
     ``wire_dtype`` (e.g. ``torch.bfloat16``) is the dtype on the wire; None keeps each tensor's own. Returns the
     bytes sent on the wire.
     """
+    pending = start_all_reduce_flat(tensors, group, divide_by=divide_by, cap_bytes=cap_bytes, wire_dtype=wire_dtype)
+    pending.wait()
+    return pending.sent
+
+
+class PendingAllReduce:
+    """Bucketed all-reduces in flight (:func:`start_all_reduce_flat`); :meth:`wait` copies the results back."""
+
+    def __init__(self, inflight: list[tuple[list[Tensor], Tensor, Tensor, Any]], sent: int) -> None:
+        self.inflight, self.sent = inflight, sent
+
+    def wait(self) -> None:
+        inflight, self.inflight = self.inflight, []
+        for parts, flat, wire, work in inflight:
+            with torch.profiler.record_function("sgdtp: wait"):
+                work.wait()
+            if wire is not flat:
+                flat.copy_(wire)
+            offset = 0
+            for t in parts:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def start_all_reduce_flat(
+    tensors: Sequence[Tensor],
+    group: dist.ProcessGroup | None = None,
+    *,
+    divide_by: int = 1,
+    cap_bytes: int = DEFAULT_CAP_BYTES,
+    wire_dtype: torch.dtype | None = None,
+) -> PendingAllReduce:
+    """:func:`all_reduce_flat`, asynchronous: every bucket is issued now; ``.wait()`` completes them."""
     slots = [GradSlot(str(i), t.numel(), str(t.dtype), t.element_size()) for i, t in enumerate(tensors)]
     inflight = []
     sent = 0
@@ -45,16 +78,7 @@ def all_reduce_flat(
         wire = flat.to(wire_dtype) if wire_dtype is not None else flat
         sent += wire.numel() * wire.element_size()
         inflight.append((parts, flat, wire, dist.all_reduce(wire, group=group, async_op=True)))
-    for parts, flat, wire, work in inflight:
-        with torch.profiler.record_function("sgdtp: wait"):
-            work.wait()
-        if wire is not flat:
-            flat.copy_(wire)
-        offset = 0
-        for t in parts:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-    return sent
+    return PendingAllReduce(inflight, sent)
 
 
 # ------------------------------------------------------------------------------- guarded object collectives

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
 from lightning_sgdtp.config import SGDTPConfig
-from lightning_sgdtp.ledger import Agreement, BackwardRecord, GradLedger, walk_autograd_graph
+from lightning_sgdtp.ledger import AccumulatedSync, Agreement, BackwardRecord, GradLedger, walk_autograd_graph
 from lightning_sgdtp.preemption import PreemptionCoordinator
 
 NEGATIVE_CONTROL_ENV = "SGDTP_NEGATIVE_CONTROL"
@@ -66,8 +66,10 @@ class GradSync:
         compiler: the ``"sgdtp"`` backend of this run (which parameters its graphs average).
         group: the data-parallel process group (None: the world).
         config: the options (bucket size, wire dtype).
-        in_graph: whether compiled backwards average in the graph (False while accumulating gradients: one
-            fallback sync after the last micro-batch).
+        in_graph: whether compiled backwards average in the graph. False: one fallback sync after the last
+            micro-batch (the pipelined engine's accumulation). With ``accumulation`` the earlier micro-batches run
+            graphs without collectives (the engine's second compiler) and their sum is averaged during the last.
+        accumulation: gradients are accumulated over micro-batches (``accumulate_grad_batches > 1``).
         say: logs one line on rank 0.
         preemption: SLURM's preemption agreement, carried by the collectives here.
     """
@@ -81,6 +83,7 @@ class GradSync:
         in_graph: bool,
         say: Callable[[str], None],
         preemption: PreemptionCoordinator | None = None,
+        accumulation: bool = False,
     ) -> None:
         wire = getattr(torch, config.comm_dtype_name) if config.comm_dtype_name else None
         named_parameters = list(named_parameters)
@@ -91,10 +94,14 @@ class GradSync:
         self.say = say
         self.preemption = preemption
         self.enabled = not negative_control()
+        self.accumulation = accumulation
         compiler.in_graph_sync = in_graph and self.enabled
         #: Parameters synced by the fallback after a step in which the graphs should have covered them.
         self.fallback_params: list[str] = []
         self._accumulating = False
+        #: Micro-batches accumulated since the last optimizer step; their sum in flight at the last micro-batch.
+        self._accumulated = False
+        self._accumulated_sync: AccumulatedSync | None = None
         self._pending: Agreement | None = None
         self._fingerprint: tuple | None = None
         #: How many backwards waited for the agreement before running (record changed), the rest after.
@@ -109,14 +116,26 @@ class GradSync:
     def in_graph(self) -> bool:
         return self.compiler.in_graph_sync
 
+    @property
+    def accumulating(self) -> bool:
+        """Inside a micro-batch that only accumulates (Lightning's ``block_backward_sync``)."""
+        return self._accumulating
+
     @contextlib.contextmanager
     def no_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: no communication on the micro-batches run inside this context."""
-        self._accumulating = True
+        self._accumulating = self._accumulated = True
         try:
             yield
         finally:
             self._accumulating = False
+
+    def start_of_micro_batch(self) -> None:
+        """Before each ``training_step``. At the last micro-batch of an accumulation (in-graph mode), the earlier
+        micro-batches' gradients start their all-reduce now, behind this micro-batch's forward and backward."""
+        if self._accumulated and not self._accumulating and self.in_graph and self.enabled:
+            self._accumulated = False
+            self._accumulated_sync = self.ledger.start_accumulated_sync()
 
     # --------------------------------------------------------------------------------- compiled engine
     def before_backward(self, loss: Tensor) -> None:
@@ -149,6 +168,9 @@ class GradSync:
         """Average what the compiled graphs did not (what the ranks agreed on before backward)."""
         plain_gradients(self.parameters)
         record = self._agreed()
+        if self._accumulated_sync is not None:
+            accumulated, self._accumulated_sync = self._accumulated_sync, None
+            accumulated.finish()
         if record is None:
             return
         # A graph compiled during this backward may have left its gradients to the fallback (every rank alike).
@@ -209,4 +231,6 @@ class GradSync:
             return "none (one process)"
         if pipelined:
             return "in-graph per micro-batch, each stage over its data-parallel group"
+        if self.in_graph and self.accumulation:
+            return "in-graph; accumulated micro-batches averaged during the last micro-batch (overlapped)"
         return "in-graph" if self.in_graph else "after-last-micro-batch (gradient accumulation)"

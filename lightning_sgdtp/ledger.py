@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sgdtp.comm import all_reduce_flat
+from lightning_sgdtp.comm import PendingAllReduce, all_reduce_flat, start_all_reduce_flat
 from lightning_sgdtp.parallel.tensor import local_shard
 
 COMPILED_NODE = "CompiledFunctionBackward"
@@ -40,6 +40,7 @@ COMPILED_NODE = "CompiledFunctionBackward"
 class Sync(str, enum.Enum):
     GRAPH = "graph"  # averaged inside a compiled backward graph
     FALLBACK = "fallback"  # averaged after backward by the ledger's buckets
+    ACCUMULATED = "accumulated"  # earlier micro-batches' sum, averaged during the last micro-batch
 
 
 @dataclass
@@ -100,6 +101,27 @@ class Agreement:
                     self.work.wait()
             self._result = self.ledger._decide(self.flags, self.graph)
         return self._result
+
+
+@dataclass
+class AccumulatedSync:
+    """The earlier micro-batches' gradients being averaged (:meth:`GradLedger.start_accumulated_sync`)."""
+
+    params: list[torch.nn.Parameter]
+    grads: list[Tensor]
+    pending: PendingAllReduce
+    present: Tensor
+
+    def finish(self) -> None:
+        """Wait, then add the averaged earlier sum to what the last micro-batch left in ``.grad``."""
+        self.pending.wait()
+        for p, g, used in zip(self.params, self.grads, self.present.tolist()):
+            if used == 0:  # no rank had a gradient for it
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
 
 
 class GradLedger:
@@ -241,6 +263,29 @@ class GradLedger:
         self._fallback_bytes += all_reduce_flat(
             grads, self.group, divide_by=self.world_size, cap_bytes=self.cap_bytes, wire_dtype=self.wire_dtype
         )
+
+    def start_accumulated_sync(self) -> AccumulatedSync:
+        """Gradient accumulation, at the start of the last micro-batch: take the gradients the earlier micro-batches
+        accumulated out of ``.grad`` and start averaging them (asynchronous; the last micro-batch's forward and
+        backward run meanwhile, and its own gradients are averaged in its graphs). Every trainable parameter is
+        sent, zeros where a rank has no gradient: every rank issues the same collectives without agreeing first."""
+        chosen = [(n, p) for n, p in self.params if p.requires_grad]
+        taken = []
+        # Which ranks had a gradient, summed along: a parameter no rank used keeps no gradient (as with DDP).
+        present = torch.tensor([float(p.grad is not None) for _, p in chosen], device=chosen[0][1].device)
+        for name, p in chosen:
+            taken.append(p.grad if p.grad is not None else torch.zeros_like(p))
+            p.grad = None
+            self.step_counts[(name, Sync.ACCUMULATED)] += 1
+        pending = start_all_reduce_flat(
+            [local_shard(g) for g in taken] + [present],
+            self.group,
+            divide_by=self.world_size,
+            cap_bytes=self.cap_bytes,
+            wire_dtype=self.wire_dtype,
+        )
+        self._fallback_bytes += pending.sent
+        return AccumulatedSync([p for _, p in chosen], taken, pending, present)
 
     def end_step(self) -> dict[str, list[str]]:
         """Close the optimizer step: record how each parameter was synced, reset."""

@@ -131,6 +131,7 @@ class OptimizerUpdates:
         self, optimizers: Iterable[Optimizer], mode: str, device: torch.device, say: Callable[[str], None]
     ) -> None:
         self.restore()
+        self.plans.clear()
         for optimizer in optimizers:
             optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
             plan = choose(optimizer, mode, device)
@@ -145,10 +146,10 @@ class OptimizerUpdates:
         return [p.to_dict() for p in self.plans]
 
     def restore(self) -> None:
+        """Put the optimizers back as configured (``describe`` still says what ran)."""
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
-        self.plans.clear()
 
 
 def use_fused(optimizer: Optimizer) -> Callable[[], None]:

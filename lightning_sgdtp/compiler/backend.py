@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -77,6 +77,7 @@ class SGDTPCompiler:
         param_names: ``id(parameter) -> qualified name``, used to name parameters in ``graphs``.
         on_graph: called with each backward graph's ``GraphBuckets`` as the pass decides them.
         inductor_mode: torch.compile's ``mode``, passed on to Inductor.
+        graph_ids: where graph numbers come from (default: a new count from 0).
     """
 
     def __init__(
@@ -86,6 +87,7 @@ class SGDTPCompiler:
         param_names: dict[int, str] | None = None,
         on_graph: Callable[[GraphBuckets], None] | None = None,
         inductor_mode: str | None = None,
+        graph_ids: Iterator[int] | None = None,
     ) -> None:
         self.config = config or SGDTPConfig()
         #: torch.compile's ``mode`` ("max-autotune", ...): Inductor's own option set for that mode.
@@ -98,7 +100,8 @@ class SGDTPCompiler:
         self.in_graph_sync = True
         self.graphs: list[GraphBuckets] = []
         self.graph_param_ids: set[int] = set()
-        self._ids = itertools.count()
+        #: Numbers the graphs; shared by the backends of one engine (one id space in the plan).
+        self.graph_ids = graph_ids if graph_ids is not None else itertools.count()
         #: Held around every compile (``compile_cache``: one rank of a node compiles, the others then hit the
         #: node's cache). Taken per compile, never across a collective.
         self.compile_lock: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -122,7 +125,7 @@ class SGDTPCompiler:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-        graph_id = next(self._ids)
+        graph_id = next(self.graph_ids)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         # AOTAutograd flattens tensor subclasses (a DTensor is its local shard and its mesh): backward output
         # `offsets[i]` is the gradient of graph input i (of its local shard, for a DTensor).

@@ -51,6 +51,8 @@ class CompiledStep(StepEngine):
         self._compiled_for: tuple[int, bool] | None = None
         self._cache_published = False
         self._cost: CostModel | None = None
+        #: With gradient accumulation: the backend of the micro-batches that only accumulate (no collectives).
+        self.accumulating_compiler: SGDTPCompiler | None = None
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -97,23 +99,30 @@ class CompiledStep(StepEngine):
                 f" ({self.checkpointed[0]} .. {self.checkpointed[-1]}), applied before compile"
             )
         run_bookkeeping_eagerly(module)
-        in_graph = accumulate == 1
         # A new compiler (a new backend object, so Dynamo compiles afresh) for a new module or a new sync mode:
         # graphs compiled for another module or without collectives must never be reused.
-        key = (id(module), in_graph)
+        key = (id(module), accumulate > 1)
         if self.compiler is None or self._compiled_for != key:
             self.close()
             self._compiled_for = key
             names = {id(p): n for n, p in module.named_parameters()}
             self.compiler = SGDTPCompiler(config, group=self.dp_group, param_names=names, on_graph=self._on_graph)
             self.grad_sync = GradSync(
-                module.named_parameters(), self.compiler, self.dp_group, config, in_graph, say, self.preemption
-            )
+                module.named_parameters(), self.compiler, self.dp_group, config, True, say, self.preemption,
+                accumulation=accumulate > 1,
+            )  # fmt: skip
+            if accumulate > 1:
+                # The micro-batches that only accumulate run graphs compiled without collectives (a second backend
+                # object: Dynamo keeps both graphs and guards on which backend runs).
+                self.accumulating_compiler = SGDTPCompiler(
+                    config, self.dp_group, names, self._on_graph, graph_ids=self.compiler.graph_ids
+                )
+                self.accumulating_compiler.in_graph_sync = False
             self.report.count_breaks_from_now()
-            if config.measured_buckets and in_graph and self.layout.dp > 1 and self.grad_sync.enabled:
+            if config.measured_buckets and self.layout.dp > 1 and self.grad_sync.enabled:
                 self.compiler.cost = self._cost_model()
         if config.compile_cache is not None:
-            self._setup_compile_cache(in_graph)
+            self._setup_compile_cache(accumulate == 1)
         self._say_sync(accumulate)
 
     def _cost_model(self) -> CostModel:
@@ -146,8 +155,9 @@ class CompiledStep(StepEngine):
             )
         else:
             say(
-                f"accumulate_grad_batches={accumulate}: graphs compiled without collectives; one bucketed sync"
-                " after the last micro-batch of each optimizer step (none on the others)"
+                f"accumulate_grad_batches={accumulate}: the first {accumulate - 1} micro-batch(es) of a step run graphs"
+                " without collectives; at the last one their summed gradients are all-reduced behind its forward and"
+                " backward, and its own gradients in its compiled backward (overlap kept)"
             )
 
     def _setup_compile_cache(self, in_graph: bool) -> None:
@@ -171,8 +181,9 @@ class CompiledStep(StepEngine):
         )
         self.report.say(cache.prepare())
         self.cache = cache
-        self.compiler.compile_lock = cache.lock
-        self.compiler.aot_cache = True
+        for compiler in filter(None, (self.compiler, self.accumulating_compiler)):
+            compiler.compile_lock = cache.lock
+            compiler.aot_cache = True
 
     def _on_graph(self, graph: Any) -> None:
         if self.cache is not None:
@@ -192,6 +203,8 @@ class CompiledStep(StepEngine):
     def training_step(self, args: tuple, kwargs: dict, trainer: Any, optimizers: list) -> Any:
         """The compiled ``training_step`` (``trainer``, ``optimizers``: what the pipelined engine needs)."""
         with self.guard("training_step"):
+            if self.grad_sync is not None:  # the last micro-batch of an accumulation sends the earlier ones' sum
+                self.grad_sync.start_of_micro_batch()
             if self.config.broadcast_buffers:
                 with label("sgdtp: broadcast buffers"):
                     self._broadcast_buffers()
@@ -206,9 +219,12 @@ class CompiledStep(StepEngine):
             return default()
 
     def _compiled(self, hook: str) -> Callable:
-        step = self._steps.get(hook)
+        sync = self.grad_sync
+        compiler = self.accumulating_compiler if sync is not None and sync.accumulating else None
+        compiler = compiler or self.compiler
+        step = self._steps.get((hook, id(compiler)))
         if step is None:
-            step = self._steps[hook] = compile_step(getattr(self.module, hook), self.compiler)
+            step = self._steps[(hook, id(compiler))] = compile_step(getattr(self.module, hook), compiler)
         return step
 
     def _broadcast_buffers(self) -> None:
@@ -244,7 +260,8 @@ class CompiledStep(StepEngine):
     # -------------------------------------------------------------------------------------------- plan
     def plan(self) -> dict[str, Any]:
         """The engine's part of ``strategy.plan``."""
-        graphs = [g.to_dict() for g in self.compiler.graphs] if self.compiler else []
+        compilers = filter(None, (self.compiler, self.accumulating_compiler))
+        graphs = sorted((g.to_dict() for c in compilers for g in c.graphs), key=lambda d: d["graph_id"])
         if self.cache is not None:  # graphs taken from the cache did not run the pass: their recorded plan
             merged = {d["graph_id"]: d for d in self.cache.recorded_graphs()}
             merged.update({d["graph_id"]: d for d in graphs})
@@ -259,6 +276,7 @@ class CompiledStep(StepEngine):
     def close(self) -> None:
         """Forget the compiled steps and the gradient sync (a new fit compiles afresh)."""
         self._steps.clear()
+        self.accumulating_compiler = None
         super().close()
 
     def teardown(self, barrier: Callable[[str], None]) -> None:

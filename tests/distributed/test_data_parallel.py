@@ -75,6 +75,11 @@ CASES = {
         max_abs=5e-4,
     ),
     "manual": Case("manual optimization: two manual_backward per step, clip_gradients", "ManualModel"),
+    "scheduled": Case(
+        "RMSprop compiled by torch.compile (no fused kernel), a per-step StepLR, gradient clipping",
+        "ScheduledModel",
+        trainer={"gradient_clip_val": 0.05},
+    ),
     "bf16_comm": Case("grad_comm_dtype='bf16' (lossy by design)", sgdtp={"grad_comm_dtype": "bf16"}, max_abs=None),
 }
 IN_GRAPH = [name for name in CASES if "accumulate_grad_batches" not in CASES[name].trainer]
@@ -115,13 +120,34 @@ def test_gradient_sync_is_inside_the_compiled_backward(name: str, tmp_path_facto
     assert all(g["in_graph_sync"] and g["buckets"] for g in plan["graphs"])
 
 
-def test_accumulation_syncs_once_per_optimizer_step(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_accumulation_keeps_overlap_and_syncs_once_per_optimizer_step(tmp_path_factory: pytest.TempPathFactory) -> None:
     r = result("accum_clip", tmp_path_factory)
     plan = r["info"]["plan"]
-    assert plan["grad_sync"].startswith("after-last-micro-batch")
-    assert all(not g["in_graph_sync"] for g in plan["graphs"])
-    # one sync per optimizer step, none on the other micro-batch: 6 steps x 2 micro-batches
+    assert plan["grad_sync"].startswith("in-graph; accumulated micro-batches averaged during the last")
+    # the first micro-batch runs graphs without collectives, the last one graphs with buckets
+    with_buckets = [g for g in plan["graphs"] if g["in_graph_sync"] and g["buckets"]]
+    assert with_buckets and any(not g["in_graph_sync"] for g in plan["graphs"]), plan["graphs"]
+    # one after-backward pass per optimizer step, none on the other micro-batch: 6 steps x 2 micro-batches
     assert r["info"]["syncs"] == 6 and r["info"]["backwards"] == 12, r["info"]
+    # every trainable parameter: its accumulated part averaged once (during the last micro-batch), its last part
+    # once (in a graph, or after backward for the eager region); the unused layer only takes part in the first
+    for name, how in plan["last_step_sync"].items():
+        assert how.count("accumulated") == 1 and (len(how) >= 2 or name.startswith("unused.")), (name, how)
+
+
+def test_the_agreement_waits_before_backward_only_when_something_changed(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    info = result("breaks", tmp_path_factory)["info"]
+    # 6 steps; the record of a step is the same as the step before from step 2 on: the ranks wait for the
+    # agreement before backward once (a rank barrier), and after backward the other 5 times
+    assert info["waits_before_backward"] == 1, info["waits_before_backward"]
+
+
+def test_compiled_update_and_scheduler(tmp_path_factory: pytest.TempPathFactory) -> None:
+    plan = result("scheduled", tmp_path_factory)["info"]["plan"]
+    (update,) = plan["step_program"]["optimizer_update"]
+    assert (update["optimizer"], update["how"]) == ("RMSprop", "compiled"), update
 
 
 def test_bf16_on_the_wire_halves_the_bytes(tmp_path_factory: pytest.TempPathFactory) -> None:

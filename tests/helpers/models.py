@@ -6,6 +6,7 @@ A job's scenario names its model (``"model": "small_gpt"``): ``MODELS`` maps the
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as L
 import torch
@@ -70,6 +71,15 @@ class BreaksModel(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class ScheduledModel(BreaksModel):
+    """RMSprop (no fused kernel in torch: sgdtp compiles its step) with a learning rate that changes every step."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.RMSprop(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 class ManualModel(BreaksModel):
@@ -213,6 +223,7 @@ def pp_gpt(lr: float = 1e-2) -> GPTLightningModule:
 MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "BreaksModel": BreaksModel,
     "ManualModel": ManualModel,
+    "ScheduledModel": ScheduledModel,
     "small_gpt": small_gpt,
     "MHALanguageModel": MHALanguageModel,
     "LlamaLike": LlamaLike,

@@ -73,7 +73,9 @@ def main(out: Path) -> None:
         torch.save(grads.grads, out / "grads.pt")
         torch.save(params(ref_model), out / "ref.pt")
         torch.save(params(model), out / "sgdtp.pt")
-        (out / "info.json").write_text(json.dumps({"plan": strategy.plan, **counter.counts}, default=str))
+        waits = strategy.grad_sync.waits_before_backward
+        info = {"plan": strategy.plan, **counter.counts, "waits_before_backward": waits}
+        (out / "info.json").write_text(json.dumps(info, default=str))
 
 
 if __name__ == "__main__":
