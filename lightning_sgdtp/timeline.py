@@ -122,7 +122,7 @@ class Timeline:
         profiler.export_chrome_trace(str(trace))
         steps = breakdown(json.loads(trace.read_text())["traceEvents"])
         (folder / f"rank{self.rank}.steps.json").write_text(json.dumps(steps, indent=1))
-        self.outputs = {"folder": str(folder), "trace": str(trace), "steps": [s["summary"] for s in steps]}
+        self.outputs = {"folder": str(folder), "trace": str(trace), "summaries": [s["summary"] for s in steps]}
         if self.rank == 0:
             page = folder / "timeline.html"
             page.write_text(render_html(folder, steps))

@@ -62,7 +62,12 @@ class Case:
 
 CASES = {
     "breaks": Case("graph breaks (self.log, explicit), an eager region, tied and unused parameters"),
-    "gpt": Case("a small GPT (tied head), several buckets", "small_gpt", sgdtp={"bucket_cap_mb": 0.01}, max_abs=5e-4),
+    "gpt": Case(
+        "a small GPT (tied head), several buckets; a timeline of steps 3..4",
+        "small_gpt",
+        sgdtp={"bucket_cap_mb": 0.01, "profile_steps": [3, 4]},
+        max_abs=5e-4,
+    ),
     "accum_clip": Case(
         "accumulate_grad_batches=2 + gradient_clip_val",
         trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
@@ -142,6 +147,30 @@ def test_the_agreement_waits_before_backward_only_when_something_changed(
     # 6 steps; the record of a step is the same as the step before from step 2 on: the ranks wait for the
     # agreement before backward once (a rank barrier), and after backward the other 5 times
     assert info["waits_before_backward"] == 1, info["waits_before_backward"]
+
+
+def test_timeline_of_the_profiled_steps(tmp_path_factory: pytest.TempPathFactory) -> None:
+    r = result("gpt", tmp_path_factory)
+    timeline = r["info"]["plan"]["step_program"]["timeline"]
+    folder = r["out"] / "sgdtp" / "sgdtp_timeline"
+    assert Path(timeline["folder"]) == folder and timeline["steps"] == [3, 4]
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == [f"rank{i}.{kind}.json" for i in (0, 1) for kind in ("steps", "trace")] + ["timeline.html"]
+    assert "sgdtp: timeline of steps 3..4" in r["log"]
+    planned = sum(len(g["buckets"]) for g in r["info"]["plan"]["graphs"] if g["in_graph_sync"])
+    for rank in (0, 1):
+        steps = json.loads((folder / f"rank{rank}.steps.json").read_text())
+        assert [s["summary"]["step"] for s in steps] == ["3", "4"]
+        for s in steps:
+            summary = s["summary"]
+            assert 0 < summary["forward_backward_ms"] < summary["step_ms"], summary
+            assert summary["optimizer_update_ms"] > 0 and summary["comm_busy_ms"] > 0, summary
+            # every planned bucket was found in the trace: launched, on the wire, waited for
+            assert len(s["buckets"]) == planned, (len(s["buckets"]), planned)
+            for b in s["buckets"]:
+                assert b["launch_ms"] <= b["wire_start_ms"] < b["wire_end_ms"] and b["wait_end_ms"] is not None, b
+    trace = json.loads((folder / "rank1.trace.json").read_text())["traceEvents"]
+    assert any(e.get("name", "").startswith("gloo:all_reduce") for e in trace)  # a Chrome trace per rank
 
 
 def test_compiled_update_and_scheduler(tmp_path_factory: pytest.TempPathFactory) -> None:
