@@ -41,7 +41,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pipeline_chunks", type=int, default=None, help="sgdtp only: micro-batches per step")
     p.add_argument("--pipeline_schedule", default=None, help="sgdtp only: '1f1b', 'gpipe' or 'interleaved_1f1b'")
     p.add_argument("--activation_checkpointing", action="store_true", help="sgdtp only: recompute each block")
-    p.add_argument("--bucket_cap_mb", type=float, default=None, help="sgdtp only: MiB per fused all-reduce (25)")
+    p.add_argument(
+        "--bucket_cap_mb", type=float, default=None, help="sgdtp only: MiB per fused all-reduce (default: measured)"
+    )
+    p.add_argument("--optimizer_update", default=None, help="sgdtp only: 'auto', 'fused', 'compiled' or 'eager'")
+    p.add_argument(
+        "--profile_steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"), help="sgdtp only: a timeline"
+    )
     p.add_argument("--default_root_dir", default="runs/train_gpt")
     p.add_argument("--limit_val_batches", type=float, default=1.0, help="fraction (<= 1.0) or number of val batches")
     p.add_argument("--checkpoint_every", type=int, default=0, help="save last.ckpt every N steps (0: at epoch end)")
@@ -76,6 +82,8 @@ def build_strategy(args: argparse.Namespace) -> str | Strategy:
         pipeline_stages=args.pipeline_stages,
         pipeline_chunks=args.pipeline_chunks,
         pipeline_schedule=args.pipeline_schedule,
+        optimizer_update=args.optimizer_update,
+        profile_steps=tuple(args.profile_steps) if args.profile_steps else None,
     )
 
 
