@@ -315,6 +315,10 @@ def _worker(
             "page_faults": timer.faults[warmup:],
             "breakdown": timer.breakdown,
         }
+        if profile_to is not None:  # both ranks' breakdowns (rank 0 writes the result)
+            by_rank: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(by_rank, timer.breakdown)
+            entry["breakdown_by_rank"] = by_rank
         if kind == "sgdtp":
             plan = strategy.plan
             entry["plan"] = {
@@ -507,10 +511,13 @@ def main_driver(args: argparse.Namespace) -> int:
                 # the first step (compile included; Inductor's cache may be warm after round 1): per round, seconds
                 "first_step_s": [round(r["sync"]["warmup_s"][0], 2) for r in rs if r["sync"]["warmup_s"]],
             }
-            profiled = [b for r in rs for b in r["sync"].get("breakdown") or []]
-            if profiled:  # --profile: the per-step breakdown of the profiled steps (median of each term)
-                keys = ("step_ms", "forward_backward_ms", "optimizer_update_ms", "exposed_comm_ms", "strategy_ms")
-                row["breakdown_ms"] = {k: round(statistics.median(b[k] for b in profiled), 2) for k in keys}
+            keys = ("step_ms", "forward_backward_ms", "optimizer_update_ms", "exposed_comm_ms", "strategy_ms")
+            for rank in (0, 1):  # --profile: the per-step breakdown of the profiled steps (median of each term)
+                profiled = [b for r in rs for b in (r["sync"].get("breakdown_by_rank") or [[], []])[rank] or []]
+                if profiled:
+                    row.setdefault("breakdown_ms", {})[f"rank{rank}"] = {
+                        k: round(statistics.median(b[k] for b in profiled), 2) for k in keys
+                    }
             if VARIANTS[v][0] == "sgdtp":
                 plan = rs[0]["sync"]["plan"]
                 row["graphs"] = len(plan["graphs"])
@@ -548,14 +555,15 @@ def main_driver(args: argparse.Namespace) -> int:
             f"{'workload':8s} {'variant':21s} {'step':>7s} {'fwd+bwd':>8s} {'update':>7s} {'waits':>7s} {'strategy':>8s}"
         )
         for r in profiled_rows:
-            b = r["breakdown_ms"]
-            print(
-                f"{r['workload']:8s} {r['variant']:21s} {b['step_ms']:7.1f} {b['forward_backward_ms']:8.1f}"
-                f" {b['optimizer_update_ms']:7.1f} {b['exposed_comm_ms']:7.1f} {b['strategy_ms']:8.2f}"
-            )
+            for rank, b in r["breakdown_ms"].items():
+                print(
+                    f"{r['workload']:8s} {r['variant'] + ' ' + rank:21s} {b['step_ms']:7.1f} {b['forward_backward_ms']:8.1f}"
+                    f" {b['optimizer_update_ms']:7.1f} {b['exposed_comm_ms']:7.1f} {b['strategy_ms']:8.2f}"
+                )
     sync_ok = all(all(r["replicas_equal"]) for r in rows) if rows else None
     floor_off = all(not any(r["floor_replicas_equal"]) for r in rows) if rows else None
-    compiled_ok = all((r["frames_compiled"] > 0) == (r["variant"] != "ddp") for r in rows) if rows else None
+    uncompiled = ("ddp", "ddp+fused-opt")  # the variants that compile nothing
+    compiled_ok = all((r["frames_compiled"] > 0) == (r["variant"] not in uncompiled) for r in rows) if rows else None
     busy = statistics.median(loads) if loads else 0.0
     print(
         "\nms/step: median over rounds of the per-run median batch time (rank 0, warm-up dropped). floor: the same"
@@ -563,7 +571,7 @@ def main_driver(args: argparse.Namespace) -> int:
         "\nx ddp = ms/step / ddp's; exposed = (ms/step - floor) / ms/step; hidden = (floor + comm - ms/step) / comm"
         " (100%: communication fully overlapped, 0%: fully serialized)."
         f"\nChecks: replicas identical after every synced run: {sync_ok}; replicas diverged after every floor run:"
-        f" {floor_off}; Dynamo compiled frames in every compiled variant and none in ddp: {compiled_ok}. Other processes used {100 * busy:.0f}% (median; max {100 * max(loads, default=0.0):.0f}%) of the CPUs"
+        f" {floor_off}; Dynamo compiled frames in every compiled variant and none in ddp / ddp+fused-opt: {compiled_ok}. Other processes used {100 * busy:.0f}% (median; max {100 * max(loads, default=0.0):.0f}%) of the CPUs"
         f" just before each run{' -- BUSY MACHINE: times are inflated and noisy' if busy > QUIET else ''}."
         f" Total {time.perf_counter() - started:.0f}s."
     )

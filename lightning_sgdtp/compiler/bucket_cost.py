@@ -141,13 +141,20 @@ class MeasuredPlan:
 
 
 def plan_measured(
-    ready_s: Sequence[float], nbytes: Sequence[int], dtypes: Sequence[str], backward_s: float, model: CostModel
+    ready_s: Sequence[float],
+    nbytes: Sequence[int],
+    dtypes: Sequence[str],
+    backward_s: float,
+    model: CostModel,
+    max_bytes: int | None = None,
 ) -> MeasuredPlan:
     """Contiguous buckets over gradients in production order that minimise the time the last all-reduce ends.
 
     ``ready_s[i]``: when gradient ``i`` exists; ``backward_s``: when backward ends. Dynamic programming over
     prefixes: ``end[j]`` is the earliest time the first ``j`` gradients are all reduced; a bucket never mixes
-    dtypes. Among plans that end equally early (within 1 %), the one with fewer buckets."""
+    dtypes, and holds at most ``max_bytes`` unless it is one gradient (on CPU, a buffer above 32 MiB is mapped and
+    unmapped by the allocator every step: see ``benchmarks/README.md``). Among plans that end equally early
+    (within 1 %), the one with fewer buckets."""
     n = len(nbytes)
     if n == 0:
         return MeasuredPlan([], backward_s, 0.0, 0.0)
@@ -160,7 +167,9 @@ def plan_measured(
     choice = [0] * (n + 1)
     for j in range(1, n + 1):
         for i in range(j - 1, -1, -1):
-            if dtypes[i] != dtypes[j - 1]:
+            if dtypes[i] != dtypes[j - 1] or (
+                max_bytes is not None and i < j - 1 and prefix[j] - prefix[i] > max_bytes
+            ):
                 break
             finish = max(ready_s[j - 1], end[i]) + model.comm_s(prefix[j] - prefix[i])
             better = finish < end[j] * 0.99 or (finish <= end[j] * 1.01 and count[i] + 1 < count[j])

@@ -147,7 +147,7 @@ def insert_bucketed_allreduce(
         overlap: True: every wait sits just before the output, so each bucket's all-reduce runs while the rest
             of backward computes. False: each wait follows its all-reduce at once (no overlap; a baseline).
         cost: the measured cost model: boundaries chosen by :func:`~lightning_sgdtp.compiler.bucket_cost.plan_measured`
-            (``cap_bytes`` then unused); None: at most ``cap_bytes`` per bucket.
+            (``cap_bytes`` then only bounds a bucket); None: at most ``cap_bytes`` per bucket, greedily.
     """
     graph = gm.graph
     out_node = graph.output_node()
@@ -186,7 +186,7 @@ def insert_bucketed_allreduce(
             if n in at:
                 ready[n] = elapsed
         measured = plan_measured(
-            [ready[n] for n in produced], [s.nbytes for s in slots], [s.dtype for s in slots], elapsed, cost
+            [ready[n] for n in produced], [s.nbytes for s in slots], [s.dtype for s in slots], elapsed, cost, cap_bytes
         )
         planned, decided.sizing = measured.buckets, measured.describe(cost)
     else:

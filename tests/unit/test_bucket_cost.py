@@ -46,3 +46,11 @@ def test_planner_never_mixes_dtypes() -> None:
     plan = plan_measured([0.0] * 5, [100] * 5, dtypes, 0.0, model(10.0, 1.0))
     assert all(len({dtypes[i] for i in b}) == 1 for b in plan.buckets)
     assert plan.buckets == [[0, 1], [2, 3], [4]]
+
+
+def test_planner_keeps_buckets_under_the_cap_unless_one_gradient_is_larger() -> None:
+    # all at once, a large latency: one bucket would be best, but not above the cap
+    plan = plan_measured([0.0] * 6, [10 * MB] * 6, ["float32"] * 6, 0.0, model(50.0, 10.0), max_bytes=25 * MB)
+    assert plan.buckets == [[0, 1], [2, 3], [4, 5]]
+    plan = plan_measured([0.0] * 2, [40 * MB] * 2, ["float32"] * 2, 0.0, model(50.0, 10.0), max_bytes=25 * MB)
+    assert plan.buckets == [[0], [1]]
