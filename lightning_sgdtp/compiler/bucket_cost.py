@@ -103,22 +103,31 @@ def measure(group: dist.ProcessGroup | None, device: torch.device, reps: int = 5
 
 
 # ----------------------------------------------------------------------------------------------- backward
+def _hint(x: Any) -> float:
+    """A size as a number: a symbolic size (a graph compiled for dynamic shapes) by the example it was traced with;
+    never a guard."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        hint = x.node.hint
+        return float(hint) if hint is not None else 1.0
+    return float(x)
+
+
 def node_seconds(node: Any, model: CostModel) -> float:
     """Estimated time of one backward graph node: matmul flops, else the bytes it writes (read + write)."""
     val = node.meta.get("val")
     if node.op != "call_function" or not isinstance(val, torch.Tensor):
         return 0.0
+    numel = _hint(val.numel())
     kind = _MATMULS.get(node.target)
     if kind is not None:
-        out = val.shape
         a = node.args[1] if kind == "addmm" or node.target is aten.baddbmm.default else node.args[0]
-        inner = a.meta["val"].shape[-1]
-        return 2 * out.numel() * inner / model.flops_per_s
+        inner = _hint(a.meta["val"].shape[-1])
+        return 2 * numel * inner / model.flops_per_s
     if node.target in (aten.convolution_backward.default, aten.convolution.default):
-        return 6 * val.numel() * 9 / model.flops_per_s  # a rough stand-in; convolutions are not our target here
+        return 6 * numel * 9 / model.flops_per_s  # a rough stand-in; convolutions are not our target here
     if node.target in (aten.view.default, aten.reshape.default, aten.t.default, aten.permute.default):
         return 0.0
-    return 2 * val.numel() * val.element_size() / model.bytes_per_s
+    return 2 * numel * val.element_size() / model.bytes_per_s
 
 
 @dataclass

@@ -151,7 +151,9 @@ def test_measured_cost_model_plans_the_buckets_and_predicts_exposure(fake_world:
     compiler.cost = CostModel(latency_s=5e-5, seconds_per_byte=1e-9, flops_per_s=2e9, bytes_per_s=1e10)
     step = torch.compile(mlp(), backend=compiler)
     step(torch.randn(8, 256)).sum().backward()
-    (plan,) = compiler.graphs
+    step(torch.randn(5, 256)).sum().backward()  # a short last batch: recompiled for a dynamic batch size
+    plan, dynamic = compiler.graphs
+    assert dynamic.sizing["rule"] == "measured" and type(dynamic.sizing["predicted_backward_ms"]) is float
     assert plan.sizing["rule"] == "measured"
     assert plan.sizing["predicted_exposed_ms"] <= plan.sizing["one_bucket_exposed_ms"]
     assert plan.sizing["predicted_backward_ms"] > 0
