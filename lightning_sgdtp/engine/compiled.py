@@ -119,7 +119,10 @@ class CompiledStep(StepEngine):
                 )
                 self.accumulating_compiler.in_graph_sync = False
             self.report.count_breaks_from_now()
-            if config.measured_buckets and self.layout.dp > 1 and self.grad_sync.enabled:
+            # A measured plan differs from job to job (its figures are part of the graphs' cache key): with the
+            # compile cache, whose point is that later jobs reuse the graphs, buckets are capped at 25 MiB instead.
+            measured = config.measured_buckets and config.compile_cache is None
+            if measured and self.layout.dp > 1 and self.grad_sync.enabled:
                 self.compiler.cost = self._cost_model()
         if config.compile_cache is not None:
             self._setup_compile_cache(accumulate == 1)
@@ -145,9 +148,12 @@ class CompiledStep(StepEngine):
         elif layout.dp == 1:
             say("data-parallel group of 1: no gradient all-reduce; tensor-parallel collectives are in the graphs")
         elif accumulate == 1:
-            sizing = (
-                "sized by the measured cost model" if config.measured_buckets else f"of <= {config.bucket_cap_mb} MiB"
-            )
+            if self.compiler is not None and self.compiler.cost is not None:
+                sizing = "sized by the measured cost model"
+            elif config.measured_buckets:
+                sizing = "of <= 25 MiB (bucket_cap_mb='auto' with compile_cache: a measured plan would change the key)"
+            else:
+                sizing = f"of <= {config.bucket_cap_mb} MiB"
             say(
                 f"gradient sync inside the compiled backward: buckets {sizing},"
                 f" {'overlapped with backward compute' if config.overlap else 'no overlap scheduling'}"
