@@ -133,7 +133,13 @@ class GradSync:
     def start_of_micro_batch(self) -> None:
         """Before each ``training_step``. At the last micro-batch of an accumulation (in-graph mode), the earlier
         micro-batches' gradients start their all-reduce now, behind this micro-batch's forward and backward."""
-        if self._accumulated and not self._accumulating and self.in_graph and self.enabled:
+        if (
+            self._accumulated
+            and not self._accumulating
+            and self.in_graph
+            and self.enabled
+            and self.ledger.world_size > 1
+        ):
             self._accumulated = False
             self._accumulated_sync = self.ledger.start_accumulated_sync()
 

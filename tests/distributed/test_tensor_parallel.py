@@ -76,11 +76,12 @@ CASES = {
         {"limit_val_batches": 2, "val_check_interval": 3},
     ),
     "hybrid_mha_clip": Case(
-        "hybrid dp=2 x tp=2, 4 ranks, MultiheadAttention model, clipping",
+        "hybrid dp=2 x tp=2, 4 ranks, MultiheadAttention model, clipping, 2 accumulated micro-batches (split gradients"
+        " summed over micro-batches, averaged during the last)",
         "MHALanguageModel",
         4,
         HYBRID,
-        {"gradient_clip_val": 0.3},
+        {"gradient_clip_val": 0.3, "accumulate_grad_batches": 2},
     ),
 }
 # The negative control: hybrid dp=2 x tp=2 on the small GPT, with the data-parallel all-reduce switched off.
@@ -106,7 +107,7 @@ def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFac
     assert rel < REL_TOL[case.precision], f"{name}: relative update difference {rel:.3g}"
     if "gradient_clip_val" in case.trainer:  # clipping really acted: the global norm exceeded gradient_clip_val=0.3
         norm = sum(float(g.norm() ** 2) for g in r["ref_grads"].values()) ** 0.5
-        assert norm > 0.3 * 2, norm
+        assert norm > 0.3 * 1.5, norm
     plan = r["info"]["plans"][0]
     styles = plan["tensor_parallel_plan"]["styles"]
     assert "colwise" in styles.values() and "rowwise" in styles.values()
@@ -119,9 +120,14 @@ def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFac
     if case.sgdtp["parallelism"] == "hybrid":
         assert (plan["dp_size"], plan["tp_size"]) == (2, 2) and plan["mesh_layout"] == [[0, 1], [2, 3]]
         # the data-parallel gradient all-reduce is inside the compiled backward, over the dp group only
-        assert plan["grad_sync"] == "in-graph"
-        assert all(g["in_graph_sync"] and g["world_size"] == 2 and g["buckets"] for g in plan["graphs"])
-        assert plan["bytes_per_step"]["fallback"] == 0
+        synced = [g for g in plan["graphs"] if g["in_graph_sync"]]
+        assert synced and all(g["world_size"] == 2 and g["buckets"] for g in synced)
+        if case.trainer.get("accumulate_grad_batches", 1) == 1:
+            assert plan["grad_sync"] == "in-graph" and len(synced) == len(plan["graphs"])
+            assert plan["bytes_per_step"]["fallback"] == 0
+        else:  # the first micro-batch's graphs carry no collectives; the earlier sum is sent during the last one
+            assert plan["grad_sync"].startswith("in-graph; accumulated") and len(synced) < len(plan["graphs"])
+            assert all(how.count("accumulated") == 1 for how in plan["last_step_sync"].values())
     else:
         assert (plan["dp_size"], plan["tp_size"]) == (1, 2)
         assert plan["bytes_per_step"]["total"] == 0  # no gradient all-reduce at dp=1
