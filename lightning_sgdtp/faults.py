@@ -72,7 +72,9 @@ def is_distributed_error(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):
         return True
     text = str(exc)
-    return isinstance(exc, RuntimeError) and any(s in text for s in ("gloo", "NCCL", "c10d", "ProcessGroup"))
+    # gloo's timeout inside a compiled graph's wait_tensor reads "Application timeout caused pair closure"
+    markers = ("gloo", "NCCL", "c10d", "ProcessGroup", "pair closure", "Connection closed by peer")
+    return isinstance(exc, RuntimeError) and any(s in text for s in markers)
 
 
 class Liveness:

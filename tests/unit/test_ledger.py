@@ -75,3 +75,14 @@ def test_uncovered_reports_a_gradient_the_ledger_never_saw() -> None:
     assert ledger.uncovered(model.inside.parameters()) == ["inside.weight", "inside.bias"]
     assert ledger.uncovered() == []  # each step is checked once
     ledger.remove_hooks()
+
+
+def test_collective_errors_are_told_from_the_ranks_own() -> None:
+    """The fault guard turns a failed collective into a diagnosis of the peers (RankLostError); the rank's own errors
+    pass through. gloo's timeout inside a compiled backward's wait_tensor has no "gloo" in its text."""
+    from lightning_sgdtp.faults import is_distributed_error
+
+    assert is_distributed_error(RuntimeError("Application timeout caused pair closure"))
+    assert is_distributed_error(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 5000ms"))
+    assert not is_distributed_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_distributed_error(ValueError("pair closure"))
