@@ -150,7 +150,7 @@ class GradSync:
             return
         record = walk_autograd_graph(loss, self.compiler.graph_param_ids)
         stop = self.preemption is not None and self.preemption.requested
-        self._pending = self.ledger.start_agreement(record, everything=not self.in_graph, stop=stop)
+        self._pending = self.ledger.start_agreement(record, stop=stop)
         # A rank whose record changed (first step, a new graph, a new eager region) waits before backward, so that
         # a rank about to run other in-graph collectives fails here, not in a hang. In the steady state the wait
         # moves after backward: the agreement then rides behind the gradient buckets instead of lining the ranks

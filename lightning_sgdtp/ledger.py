@@ -178,26 +178,22 @@ class GradLedger:
     def agree(
         self,
         record: BackwardRecord,
-        everything: bool = False,
         stop: bool = False,
         group: dist.ProcessGroup | None = None,
     ) -> BackwardRecord:
         """Before backward: make every rank agree on what the fallback will send, and check that every rank
         is about to run the same in-graph collectives. One small all-reduce of three bitmaps (MAX).
 
-        ``everything=True``: the graphs carry no collectives (last micro-batch of an accumulation); the
-        fallback sends every gradient (those accumulated so far and those this backward will produce).
         ``stop``: this rank wants the job to stop (a preemption signal); the result's ``stop`` is the OR over
         ranks, carried by the same all-reduce, so the ranks agree on it at no extra cost.
         ``group``: the ranks that agree (default: every rank, so that a stop request reaches all of them; a
         pipeline stage agrees with its data-parallel replicas only, which hold the same parameters).
         """
-        return self.start_agreement(record, everything, stop, group).result()
+        return self.start_agreement(record, stop, group).result()
 
     def start_agreement(
         self,
         record: BackwardRecord,
-        everything: bool = False,
         stop: bool = False,
         group: dist.ProcessGroup | None = None,
     ) -> Agreement:
@@ -208,12 +204,8 @@ class GradLedger:
         that a mismatch is caught before backward; otherwise the wait moves after backward, where the gradient
         buckets have lined the ranks up anyway, and the agreement costs no rank barrier.
         """
-        if everything:
-            accumulated = {id(p) for _, p in self.params if p.grad is not None}
-            local, graph = accumulated | record.graph | record.eager, set()
-        else:
-            local, graph = record.eager, record.graph
-        eager_flags, graph_flags = self._flags(local), self._flags(graph)
+        graph = record.graph
+        eager_flags, graph_flags = self._flags(record.eager), self._flags(graph)
         both = torch.cat([eager_flags, graph_flags, -graph_flags, torch.tensor([int(stop)], dtype=torch.int32)])
         work = None
         if dist.is_initialized() and dist.get_world_size(group) > 1:
