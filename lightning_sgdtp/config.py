@@ -91,6 +91,13 @@ class SGDTPConfig:
             fused kernel where it has one for the optimizer and device, else the step compiled by
             ``torch.compile``; user choices of ``fused``/``foreach`` kept), ``"fused"``, ``"compiled"`` or
             ``"eager"`` (as configured). See ``docs/speed.md``.
+        sharding: ``"none"`` (default: every data-parallel rank holds the whole model), ``"full"`` (parameters,
+            gradients and optimizer state split across the data-parallel ranks; a parameter is gathered where it is
+            used and freed after use: ZeRO-3 / FSDP) or ``"optimizer"`` (gradients and optimizer state split,
+            parameters split between steps and gathered once per step: ZeRO-2). Every mode: data, hybrid (with
+            tensor parallel, a 2-D layout) and pipeline (each stage over its replicas). See ``docs/sharding.md``.
+        param_gather_dtype: with ``sharding``: ``None`` (gather parameters in their own dtype) or ``"bf16"`` (half
+            the bytes of each all-gather; the computation then sees bfloat16 parameters, as with bf16-mixed).
         profile_steps: ``(first, last)``: record optimizer steps ``first`` .. ``last`` (inclusive) with
             torch.profiler on every rank and write a timeline (a trace per rank for Perfetto / Chrome, and one HTML
             page of a step) into ``sgdtp_timeline/`` next to the logs. See ``docs/speed.md``.
@@ -120,6 +127,8 @@ class SGDTPConfig:
     sequence_parallel: bool | None = None
     optimizer_update: str = "auto"
     profile_steps: tuple[int, int] | None = None
+    sharding: str = "none"
+    param_gather_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.parallelism not in PARALLELISMS:
@@ -144,6 +153,7 @@ class SGDTPConfig:
                 f"grad_comm_dtype={self.grad_comm_dtype!r} is not supported. Use None (communicate in the"
                 " gradient's own dtype) or 'bf16' (half the bytes, lossy)."
             )
+        self._check_sharding()
         from lightning_sgdtp.optim import UPDATES
 
         if self.optimizer_update not in UPDATES:
@@ -327,6 +337,39 @@ class SGDTPConfig:
                     f"tp_plan[{pattern!r}] = {style!r}: keys are globs over module names, values one of {TP_STYLES}."
                 )
 
+    def _check_sharding(self) -> None:
+        from lightning_sgdtp.parallel.sharding import SHARDINGS
+
+        if self.sharding not in SHARDINGS:
+            raise SGDTPConfigError(
+                f"sharding={self.sharding!r} is not known. Use one of {list(SHARDINGS)}: 'full' splits parameters,"
+                " gradients and optimizer state across the data-parallel ranks (ZeRO-3), 'optimizer' gradients and"
+                " optimizer state (ZeRO-2), 'none' keeps a whole replica per rank."
+            )
+        if self.param_gather_dtype is not None:
+            if self.param_gather_dtype not in GRAD_COMM_DTYPES:
+                raise SGDTPConfigError(
+                    f"param_gather_dtype={self.param_gather_dtype!r} is not supported. Use None (the parameter's own"
+                    " dtype) or 'bf16'."
+                )
+            if self.sharding == "none":
+                raise SGDTPConfigError(
+                    f"param_gather_dtype={self.param_gather_dtype!r} applies to sharded parameters: set"
+                    " sharding='full' or 'optimizer' (or remove param_gather_dtype)."
+                )
+
+    @property
+    def gather_dtype(self) -> Any:
+        """The torch dtype of the parameter all-gathers (None: the parameter's own)."""
+        import torch
+
+        name = GRAD_COMM_DTYPES.get(self.param_gather_dtype) if self.param_gather_dtype else None
+        return getattr(torch, name) if name else None
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharding != "none"
+
     @property
     def bucket_cap_bytes(self) -> int:
         """The cap in bytes; with ``"auto"`` the cap of the eager fallback and of what is not planned by the cost
@@ -385,6 +428,16 @@ class SGDTPConfig:
             raise SGDTPConfigError(f"unknown option(s) {sorted(unknown)}. Known options: {sorted(fields)}.")
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+def check_process_group_backend(name: str | None) -> None:
+    import torch.distributed as dist
+
+    if name is not None and name not in dist.Backend.backend_list:
+        raise SGDTPConfigError(
+            f"process_group_backend={name!r} is not a torch.distributed backend. Use one of"
+            f" {dist.Backend.backend_list}, or leave it None (nccl on GPUs, gloo on CPU)."
+        )
 
 
 def check_trainer_plugins(precision_plugin: str | None, sync_batchnorm: bool) -> None:

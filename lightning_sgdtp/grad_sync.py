@@ -85,8 +85,14 @@ class GradSync:
         preemption: PreemptionCoordinator | None = None,
         accumulation: bool = False,
     ) -> None:
+        from lightning_sgdtp.parallel.sharding import MARK
+
         wire = getattr(torch, config.comm_dtype_name) if config.comm_dtype_name else None
         named_parameters = list(named_parameters)
+        # Sharded parameters are reduced by their own reading (the reduce-scatter in the graph that reads them, proved
+        # by the backend at compile time, or DTensor's eager one): not the ledger's to sync.
+        self.sharded_ids = frozenset(id(p) for _, p in named_parameters if getattr(p, MARK, False))
+        named_parameters = [(n, p) for n, p in named_parameters if id(p) not in self.sharded_ids]
         self.parameters = [p for _, p in named_parameters]
         self.ledger = GradLedger(named_parameters, group, config.bucket_cap_bytes, wire)
         self.compiler = compiler
@@ -139,6 +145,7 @@ class GradSync:
             and self.in_graph
             and self.enabled
             and self.ledger.world_size > 1
+            and self.ledger.params
         ):
             self._accumulated = False
             self._accumulated_sync = self.ledger.start_accumulated_sync()
@@ -148,7 +155,7 @@ class GradSync:
         """Classify the gradients this backward will produce, and agree on them with every rank."""
         if self._accumulating or not self.enabled:
             return
-        record = walk_autograd_graph(loss, self.compiler.graph_param_ids)
+        record = walk_autograd_graph(loss, self.compiler.graph_param_ids, self.sharded_ids)
         stop = self.preemption is not None and self.preemption.requested
         self._pending = self.ledger.start_agreement(record, stop=stop)
         # A rank whose record changed (first step, a new graph, a new eager region) waits before backward, so that

@@ -72,7 +72,9 @@ class ParallelLayout:
             dp = world_size // pp
             return cls(**base, pp=pp, dp=dp, grid=[[s * dp + d for d in range(dp)] for s in range(pp)])
         if config.parallelism == "data":
-            return cls(**base, dp=world_size)
+            # Sharded: a ("dp", "tp") mesh with tp = 1 (the parameters are DTensors over its dp dimension).
+            grid = [[r] for r in range(world_size)] if config.sharded else None
+            return cls(**base, dp=world_size, grid=grid)
         tp = tensor_parallel_size(config, world_size, devices_per_node, topology)
         sizes = cls(**base, dp=world_size // tp, tp=tp)  # checked before the topology is asked for a grid
         if topology is None:
@@ -141,6 +143,8 @@ class ParallelLayout:
                 + ("; pipelines run across nodes" if self.num_nodes > 1 and self.pp == self.num_nodes else "")
             )
         auto = config.tensor_parallel_size in (None, "auto")
+        if self.tp == 1:
+            return f"mesh dp={self.dp}: parameters split over the {self.dp} ranks (sharding={config.sharding})"
         return (
             f"mesh dp={self.dp} x tp={self.tp}: tensor-parallel groups {self.grid} (rows, each inside one node);"
             " data parallel across rows" + (" (tensor_parallel_size='auto': one fast-link island)" if auto else "")

@@ -53,11 +53,14 @@ class BackwardRecord:
     stop: bool = False
 
 
-def walk_autograd_graph(loss: Tensor, graph_param_ids: set[int]) -> BackwardRecord:
+def walk_autograd_graph(
+    loss: Tensor, graph_param_ids: set[int], ignore: frozenset[int] = frozenset()
+) -> BackwardRecord:
     """Classify the edges into parameter leaves reachable from ``loss``.
 
     An edge from a ``CompiledFunctionBackward`` node into a parameter the sgdtp compiler lifted into its
-    graphs is reduced in the graph; every other edge into a parameter is eager.
+    graphs is reduced in the graph; every other edge into a parameter is eager. Parameters in ``ignore`` (sharded:
+    their reading reduces their gradient, in a graph or eagerly) are not classified.
     """
     record = BackwardRecord()
     if loss.grad_fn is None:
@@ -76,6 +79,8 @@ def walk_autograd_graph(loss: Tensor, graph_param_ids: set[int]) -> BackwardReco
             variable = getattr(nxt, "variable", None)
             if variable is None:
                 stack.append(nxt)
+            elif id(variable) in ignore:
+                continue
             elif compiled and id(variable) in graph_param_ids:
                 record.graph.add(id(variable))
             else:

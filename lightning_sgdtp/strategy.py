@@ -19,7 +19,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.distributed import (
@@ -46,7 +45,7 @@ from typing_extensions import override
 
 from lightning_sgdtp import checkpoints, comm, model_settings, rendezvous
 from lightning_sgdtp.checkpoints import ShardedCheckpoints
-from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError, check_trainer_plugins
+from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError, check_process_group_backend, check_trainer_plugins
 from lightning_sgdtp.engine.base import EngineInputs, StepEngine
 from lightning_sgdtp.engine.compiled import CompiledStep
 from lightning_sgdtp.engine.pipelined import PipelinedStep
@@ -134,6 +133,8 @@ class SGDTPStrategy(ParallelStrategy):
         sequence_parallel: bool | None = None,
         optimizer_update: str | None = None,
         profile_steps: tuple[int, int] | None = None,
+        sharding: str | None = None,
+        param_gather_dtype: str | None = None,
         options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -145,11 +146,7 @@ class SGDTPStrategy(ParallelStrategy):
         given = {k: v for k, v in locals().items() if k in _OPTIONS and v is not None}
         # Validate first: a bad option fails here, in the launching process, before anything is spawned.
         self._config = config = SGDTPConfig.from_options(options, **given)
-        if process_group_backend is not None and process_group_backend not in dist.Backend.backend_list:
-            raise SGDTPConfigError(
-                f"process_group_backend={process_group_backend!r} is not a torch.distributed backend. Use one of"
-                f" {dist.Backend.backend_list}, or leave it None (nccl on GPUs, gloo on CPU)."
-            )
+        check_process_group_backend(process_group_backend)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -20,6 +20,7 @@ Two details that cost correctness if missed:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -31,9 +32,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from lightning_sgdtp.compiler.bucket_cost import CostModel
 from lightning_sgdtp.compiler.buckets import GraphBuckets, insert_bucketed_allreduce
+from lightning_sgdtp.compiler.shard_proof import check_sharded_gradients, count_collectives
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 
 PASS_VERSION = "sgdtp-grad-buckets-v1"
+SHARDED_MARK = "_sgdtp_sharded"  # lightning_sgdtp.parallel.sharding.MARK (no import: that module imports DTensor)
 OVERLAP_PASSES = ["reorder_communication_preserving_peak_memory", "sink_waits_iterative"]
 #: Inductor's own collective bucketing / overlap passes, off while it compiles a backward that carries our buckets:
 #: a user who switches them on globally (for another model) must not have our planned buckets merged or reordered.
@@ -110,6 +113,10 @@ class SGDTPCompiler:
         self.aot_cache = False
         #: The measured cost model (``bucket_cap_mb="auto"``): bucket boundaries chosen by it; None: by the cap.
         self.cost: CostModel | None = None
+        #: Prove that each sharded parameter's gradient is reduced in the graph (off only for the negative control).
+        self.prove_shards = True
+        #: graph id -> the sharded parameters' collectives in its forward and backward (the plan's sharding entry).
+        self.sharded_graphs: dict[int, dict[str, Any]] = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SGDTPCompiler:
         # One backend object per compiled model, holding its process group (which cannot be copied) and what it
@@ -132,9 +139,15 @@ class SGDTPCompiler:
         offsets = list(itertools.accumulate((_flat_count(v) for v in example_inputs), initial=0))
         grad_outputs: dict[int, str] = {}
         params: dict[int, Any] = {}
+        #: Sharded parameters: their reading reduces their gradients (proved below, never bucketed by us).
+        shard_outputs: dict[int, str] = {}
         for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
             if isinstance(value, torch.nn.Parameter) and value.requires_grad:
-                grad_outputs[offsets[i]] = self.param_names.get(id(value)) or _source_name(node)
+                name = self.param_names.get(id(value)) or _source_name(node)
+                if getattr(value, SHARDED_MARK, False):
+                    shard_outputs[offsets[i]] = name
+                    continue
+                grad_outputs[offsets[i]] = name
                 params[offsets[i]] = value
         group_name, world_size = self._group()
         sync = bool(self.in_graph_sync and grad_outputs and group_name is not None and world_size > 1)
@@ -145,11 +158,25 @@ class SGDTPCompiler:
         cfg = self.config
         wire_dtype = getattr(torch, cfg.comm_dtype_name) if cfg.comm_dtype_name else None
         sizing = self.cost.key() if self.cost is not None else cfg.bucket_cap_bytes
-        salt = f"{PASS_VERSION}:{sync}:{group_name}:{world_size}:{sizing}:{wire_dtype}:{cfg.overlap}"
+        sharded = bool(shard_outputs)
+        salt = f"{PASS_VERSION}:{sync}:{group_name}:{world_size}:{sizing}:{wire_dtype}:{cfg.overlap}:{sharded}"
+        shard_patches = _shard_patches(cfg.bucket_cap_bytes) if sharded else {}
 
         def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+            if sharded:
+                record = self.sharded_graphs.setdefault(graph_id, {"graph_id": graph_id})
+                if not kwargs.get("is_backward"):
+                    record["collectives_in_forward"] = count_collectives(g.graph)
+                elif self.prove_shards:
+                    record.update(check_sharded_gradients(g.graph, shard_outputs, graph_id))
+                else:
+                    record["proof"] = "skipped (negative control)"
+                record["bucketing"] = (
+                    f"Inductor's bucket_all_gathers_fx / bucket_reduce_scatters_fx, <= {cfg.bucket_cap_bytes / 2**20:g}"
+                    " MiB per bucket, overlap-scheduled"
+                )
             if not kwargs.get("is_backward") or not grad_outputs:
-                with self.compile_lock():
+                with self.compile_lock(), _salted(salt), torch._inductor.config.patch(shard_patches):
                     return compile_fx_inner(g, inputs, **kwargs)
             outputs = g.graph.output_node().args[0]
             if len(outputs) != offsets[-1]:
@@ -201,12 +228,32 @@ class SGDTPCompiler:
                 _salted(salt),
                 torch._inductor.config.patch(OURS_ALONE) if sync else contextlib.nullcontext(),
                 torch._inductor.config.patch(overlap) if sync and cfg.overlap else contextlib.nullcontext(),
+                torch._inductor.config.patch(shard_patches),
             ):
                 return compile_fx_inner(g, inputs, **kwargs)
 
         aot_cache = torch._functorch.config.patch(enable_autograd_cache=self.aot_cache)
         with self.compile_lock(), _salted(salt), aot_cache:
             return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.inductor_patches)
+
+
+def _cap_mib(cap: float, bucket_id: int) -> float:
+    return cap
+
+
+def _shard_patches(cap_bytes: int) -> dict[str, Any]:
+    """Inductor's own passes for the sharded parameters' collectives: all-gathers bucketed (forward, and the
+    re-gathers of backward), reduce-scatters bucketed, and scheduled to overlap compute (a bucket's gather issued
+    before the compute that precedes its use: the prefetch)."""
+    cap = functools.partial(_cap_mib, cap_bytes / 2**20)  # picklable: Inductor's cache key holds it
+    return {
+        "bucket_all_gathers_fx_bucket_size_determinator": cap,
+        "bucket_reduce_scatters_fx_bucket_size_determinator": cap,
+        "bucket_all_gathers_fx": "all",
+        "bucket_reduce_scatters_fx": "all",
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": OVERLAP_PASSES,
+    }
 
 
 def _flat_count(value: Any) -> int:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
 from lightning_sgdtp.config import SGDTPConfig
+from lightning_sgdtp.engine.prepare import PartPreparation
 from lightning_sgdtp.faults import FaultGuard
 from lightning_sgdtp.grad_sync import GradSync
 from lightning_sgdtp.layout import ParallelLayout
@@ -73,6 +74,8 @@ class StepEngine(ABC):
         self.updates = OptimizerUpdates()
         self.timeline: Timeline | None = None
         self._step_number = -1
+        #: With sharding: bytes this rank holds after the first optimizer step (parameters, gradients, state).
+        self.held: dict[str, int] | None = None
 
     # ------------------------------------------------------------------------------------------ setup
     @abstractmethod
@@ -89,6 +92,23 @@ class StepEngine(ABC):
         if self.config.profile_steps is not None and self.timeline is None:
             folder = lambda: self.report.folder or Path.cwd()
             self.timeline = Timeline(self.config.profile_steps, folder, self.report.rank, self.report.say)
+
+    def _sharding(self, dp_mesh: Any, full_mesh: Any | None) -> PartPreparation:
+        """The sharding step of a part's preparation, from the options."""
+        config = self.config
+        wire = getattr(torch, config.comm_dtype_name) if config.comm_dtype_name else None
+        full = full_mesh if self.layout.tp > 1 else None
+        return PartPreparation(
+            sharding=config.sharding, dp_mesh=dp_mesh, full_mesh=full, gather_dtype=config.gather_dtype,
+            reduce_dtype=wire,
+        )  # fmt: skip
+
+    def sharding_plan(self, plans: list[Any]) -> dict[str, Any] | None:
+        """``plan["sharding"]``: the layout, the bytes per rank, the collectives of each graph."""
+        if not plans:
+            return None
+        graphs = [g.sharded for g in (self.compiler.graphs if self.compiler is not None else []) if g.sharded]
+        return {"parts": [p.to_dict() for p in plans], "collectives_per_graph": graphs, "held_bytes": self.held}
 
     def program(self) -> dict[str, Any]:
         """``plan["step_program"]``: which parts of a training step are compiled, and why any part is not."""
@@ -149,6 +169,16 @@ class StepEngine(ABC):
         if self.grad_sync is not None:
             with label("sgdtp: coverage"):
                 self.grad_sync.at_optimizer_step(optimizer)
+        if self.config.sharded and self.held is None:
+            from lightning_sgdtp.parallel.sharding import held_bytes
+
+            self.held = held_bytes(self.module, [optimizer])
+            mib = {k: f"{v / 2**20:.2f} MiB" for k, v in self.held.items()}
+            self.report.say(
+                f"sharding: after the first step this rank holds parameters {mib['parameters']}, gradients"
+                f" {mib['gradients']}, optimizer state {mib['optimizer_state']} (total {mib['total']}; counted from"
+                " the tensors)"
+            )
         if self.timeline is not None:
             self.timeline.step_ends(self._step_number)
 

@@ -36,6 +36,7 @@ from lightning_sgdtp.engine.step_compile import compile_step, restore_bookkeepin
 from lightning_sgdtp.grad_sync import GradSync
 from lightning_sgdtp.parallel.checkpointing import block_names
 from lightning_sgdtp.parallel.clipping import clip_grad_norm_
+from lightning_sgdtp.parallel.sharding import ShardPlan, is_sharded
 from lightning_sgdtp.parallel.tensor import TensorPlan, TensorPlanError, auto_plan, resolve_plan
 from lightning_sgdtp.timeline import label
 
@@ -46,6 +47,7 @@ class CompiledStep(StepEngine):
     def __init__(self, module: nn.Module, inputs: EngineInputs) -> None:
         super().__init__(module, inputs)
         self.tensor_plan: TensorPlan | None = None
+        self.shard_plan: ShardPlan | None = None
         self.cache: compile_cache.CompileCache | None = None
         self._steps: dict[str, Callable] = {}
         self._compiled_for: tuple[int, bool] | None = None
@@ -64,10 +66,14 @@ class CompiledStep(StepEngine):
         without tensor parallel: Lightning's own clipping is right)."""
         if self.mesh is None:
             return None
-        if not is_tensor_parallel(self.module):  # fit, then validate/test on the same module: split once
+        if self.layout.tp > 1 and not is_tensor_parallel(self.module):  # fit, then validate/test: split once
             self.tensor_plan = self._tensor_plan()
             prepare_part(self.module, PartPreparation(tensor_plan=self.tensor_plan, tp_mesh=self.mesh["tp"]))
             for line in self.tensor_plan.describe():
+                self.report.say(line)
+        if self.config.sharded and not is_sharded(self.module):
+            self.shard_plan = prepare_part(self.module, self._sharding(self.mesh["dp"], self.mesh)).shard_plan
+            for line in self.shard_plan.describe():
                 self.report.say(line)
         return lambda params, max_norm: clip_grad_norm_(params, max_norm)
 
@@ -93,7 +99,7 @@ class CompiledStep(StepEngine):
         """Activation checkpointing, eager bookkeeping, the backend and its gradient sync, the compile cache."""
         module, config, say = self.module, self.config, self.report.say
         if config.activation_checkpointing and not self.checkpointed:
-            self.checkpointed = prepare_part(module, PartPreparation(checkpoint=block_names(module)))
+            self.checkpointed = prepare_part(module, PartPreparation(checkpoint=block_names(module))).checkpointed
             say(
                 f"activation checkpointing on {len(self.checkpointed)} blocks"
                 f" ({self.checkpointed[0]} .. {self.checkpointed[-1]}), applied before compile"
@@ -111,6 +117,9 @@ class CompiledStep(StepEngine):
                 module.named_parameters(), self.compiler, self.dp_group, config, True, say, self.preemption,
                 accumulation=accumulate > 1,
             )  # fmt: skip
+            if not self.grad_sync.enabled and self.shard_plan is not None:  # the negative control: nothing reduced
+                self.module._sgdtp_read.reduce = False
+                self.compiler.prove_shards = False
             if accumulate > 1:
                 # The micro-batches that only accumulate run graphs compiled without collectives (a second backend
                 # object: Dynamo keeps both graphs and guards on which backend runs).
@@ -118,6 +127,7 @@ class CompiledStep(StepEngine):
                     config, self.dp_group, names, self._on_graph, graph_ids=self.compiler.graph_ids
                 )
                 self.accumulating_compiler.in_graph_sync = False
+                self.accumulating_compiler.prove_shards = self.compiler.prove_shards
             self.report.count_breaks_from_now()
             # A measured plan differs from job to job (its figures are part of the graphs' cache key): with the
             # compile cache, whose point is that later jobs reuse the graphs, buckets are capped at 25 MiB instead.
@@ -274,6 +284,7 @@ class CompiledStep(StepEngine):
             graphs = [merged[k] for k in sorted(merged)]
         return {
             "tensor_parallel_plan": self.tensor_plan.to_dict() if self.tensor_plan is not None else None,
+            "sharding": self.sharding_plan([self.shard_plan] if self.shard_plan is not None else []),
             "pipeline": None,
             "activation_checkpointing": list(self.checkpointed),
             "graphs": graphs,

@@ -115,7 +115,7 @@ class PipelinedStep(StepEngine):
         how = PartPreparation(
             checkpoint=blocks if self.config.activation_checkpointing else None, backend=self.compiler
         )
-        wrapped = prepare_part(stage, how)
+        wrapped = prepare_part(stage, how).checkpointed
         if wrapped and wrapped[0] not in self.checkpointed:  # once per stage, not per traced shape
             self.checkpointed = sorted({*self.checkpointed, *wrapped})
             self.report.say(

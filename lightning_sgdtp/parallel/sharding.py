@@ -1,0 +1,291 @@
+"""Sharded data parallel: parameters (and so gradients and optimizer state) split across the data-parallel ranks.
+
+The static-graph way (SimpleFSDP, arXiv 2411.00284): each parameter is stored as a DTensor split over the
+``dp`` mesh dimension, and reading it (``module.weight``) redistributes it to ``Replicate`` with
+``Partial("avg")`` gradients. Dynamo traces that read, so the compiled forward holds the parameter all-gathers
+and the compiled backward the gradient reduce-scatters (an all-reduce for a parameter that is kept whole); no
+hook, no runtime wrapper. The optimizer from ``configure_optimizers`` sees the DTensor parameters and steps
+their local shards; ``torch.distributed.checkpoint`` reads and writes them by name, on any layout.
+
+Two modes, named after what stays split while the step runs (FSDP's ``FULL_SHARD`` and ``SHARD_GRAD_OP``):
+
+- ``"full"`` (ZeRO-3): a gathered parameter is freed after its use in forward and gathered again in backward
+  (an activation-checkpoint policy ``MUST_RECOMPUTE`` on the gather): at most the blocks in flight are whole;
+- ``"optimizer"`` (ZeRO-2): gathered once per step and kept from forward to backward (``MUST_SAVE``): the
+  communication of ``ddp`` (one all-gather + one reduce-scatter = one all-reduce), gradients and optimizer state
+  split, parameters split between steps.
+
+Which dimension is split: the first whose size the data-parallel size divides, so that every rank holds the same
+shape (the compiled graphs, the compile cache and the cross-rank graph check stay identical on every rank). A
+parameter with no such dimension (a scalar, an odd bias) stays whole on every rank and gets its gradient
+all-reduced by the same read (``Replicate`` -> ``Partial("avg")``); the plan names each one.
+
+With tensor parallel (hybrid), the parameter is first a DTensor over ``tp``; it becomes a 2-D DTensor over
+``("dp", "tp")``: split over ``dp`` inside this rank's tensor-parallel shard (``_StridedShard`` when both split
+the same dimension, which is how FSDP2 + TP records it for checkpoints).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+SHARDINGS = ("none", "optimizer", "full")
+#: Attribute set on every parameter whose gradient the sharded read reduces (GradSync and the bucket pass skip it).
+MARK = "_sgdtp_sharded"
+
+
+@dataclass
+class ShardPlan:
+    """What :func:`shard_parameters` decided, in plain data (the plan and the log lines)."""
+
+    mode: str
+    dp: int
+    #: parameter name -> the dimension split over ``dp``
+    split: dict[str, int] = field(default_factory=dict)
+    #: parameter name -> why it stays whole
+    whole: dict[str, str] = field(default_factory=dict)
+    #: bytes of the parameters as this rank held them before (the whole model, or its tensor-parallel part)
+    param_bytes_before: int = 0
+    #: bytes of the parameters this rank holds now (its shards + the parameters kept whole)
+    param_bytes_held: int = 0
+    #: the largest block (top-level child with parameters) in bytes before sharding: one block's gathered parameters
+    largest_block_bytes: int = 0
+    largest_block: str = ""
+
+    def describe(self) -> list[str]:
+        how = {
+            "full": "freed after use in forward and gathered again in backward (ZeRO-3)",
+            "optimizer": "gathered once per step and kept until backward (ZeRO-2)",
+        }[self.mode]
+        whole = ""
+        if self.whole:
+            names = sorted(self.whole)
+            whole = f"; {len(names)} kept whole (all-reduced): {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+        return [
+            (
+                f"sharding={self.mode}: {len(self.split)} parameters split over {self.dp} data-parallel ranks{whole};"
+                f" parameters {how}; gradients reduce-scattered and the optimizer state split with them"
+            ),
+            (
+                f"sharding: this rank holds {_mib(self.param_bytes_held)} of {_mib(self.param_bytes_before)}"
+                f" parameters ({self.param_bytes_held / max(1, self.param_bytes_before):.1%}); the largest block"
+                f" gathered is {self.largest_block or '-'} ({_mib(self.largest_block_bytes)})"
+            ),
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "dp": self.dp,
+            "split": dict(self.split),
+            "whole": dict(self.whole),
+            "param_bytes_before": self.param_bytes_before,
+            "param_bytes_held": self.param_bytes_held,
+            "largest_block": self.largest_block,
+            "largest_block_bytes": self.largest_block_bytes,
+        }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def shard_dim(shape: torch.Size | tuple[int, ...], dp: int) -> int | None:
+    """The dimension to split over ``dp`` ranks: the first that ``dp`` divides (None: keep the parameter whole)."""
+    for d, size in enumerate(shape):
+        if size >= dp and size % dp == 0:
+            return d
+    return None
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether :func:`shard_parameters` was applied to ``module`` already."""
+    return any(getattr(p, MARK, False) for p in module.parameters())
+
+
+def sharded_names(module: nn.Module) -> set[str]:
+    return {n for n, p in module.named_parameters() if getattr(p, MARK, False)}
+
+
+# ------------------------------------------------------------------------------------------- the read
+def _keep(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+class ParameterRead:
+    """``module.weight`` of a sharded module: all-gather over ``dp`` (forward), reduce-scatter of the averaged
+    gradient (backward). ``reduce=False`` is the negative control (the gradient is not reduced): tests only."""
+
+    def __init__(self, mode: str, dp_mesh: Any, gather_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
+        self.mode, self.dp_mesh = mode, dp_mesh
+        self.gather_dtype, self.reduce_dtype = gather_dtype, reduce_dtype
+        self.reduce = True
+
+    def __call__(self, param: Tensor) -> Tensor:
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        policy = _recompute if self.mode == "full" else _keep
+        context = functools.partial(create_selective_checkpoint_contexts, policy)
+        return checkpoint(self._gather, param, use_reentrant=False, context_fn=context)
+
+    def _gather(self, param: Tensor) -> Tensor:
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        grad = [Partial("avg")] if self.reduce else [Replicate()]
+        if param.device_mesh.ndim == 1:  # data parallel alone (or a pipeline stage's replicas)
+            whole = param.redistribute(
+                placements=[Replicate()], forward_dtype=self.gather_dtype, backward_dtype=self.reduce_dtype
+            )
+            return whole.to_local(grad_placements=grad)
+        # ("dp", "tp"): gather over dp on this rank's tensor-parallel shard, then the tensor-parallel DTensor again
+        tp_mesh = param.device_mesh["tp"]
+        dp_placement = param.placements[0]
+        local = DTensor.from_local(param.to_local(), self.dp_mesh, [_plain(dp_placement)], run_check=False)
+        whole = local.redistribute(
+            placements=[Replicate()], forward_dtype=self.gather_dtype, backward_dtype=self.reduce_dtype
+        )
+        return DTensor.from_local(whole.to_local(grad_placements=grad), tp_mesh, [param.placements[1]], run_check=False)
+
+
+def _plain(placement: Any) -> Any:
+    """A ``_StridedShard(d, ...)`` over dp is ``Shard(d)`` of the tensor-parallel local shard."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(placement.dim) if placement.is_shard() else placement
+
+
+# ------------------------------------------------------------------------------------------ applying it
+def shard_parameters(
+    module: nn.Module,
+    mode: str,
+    dp_mesh: Any,
+    full_mesh: Any | None = None,
+    gather_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> ShardPlan:
+    """Split every parameter of ``module`` over ``dp_mesh`` (1-D) in place; ``full_mesh`` is the ``("dp", "tp")``
+    mesh when some parameters are tensor-parallel DTensors. Parameter names (state dict keys) do not change."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if mode not in SHARDINGS[1:]:
+        raise ValueError(f"sharding mode {mode!r}: one of {SHARDINGS[1:]}")
+    dp = dp_mesh.size()
+    plan = ShardPlan(mode=mode, dp=dp)
+    read = ParameterRead(mode, dp_mesh, gather_dtype, reduce_dtype)
+    module._sgdtp_read = read  # the negative control switches read.reduce off
+    names = {id(p): n for n, p in module.named_parameters()}
+    for block, child in module.named_children():
+        size = sum(_local(p).numel() * p.element_size() for p in child.parameters())
+        if size > plan.largest_block_bytes:
+            plan.largest_block_bytes, plan.largest_block = size, block
+    done: dict[int, nn.Parameter] = {}  # tied parameters: split once, shared
+    for mod in list(module.modules()):
+        own = [(n, p) for n, p in mod._parameters.items() if p is not None]
+        if not own:
+            continue
+        for attr, p in own:
+            if id(p) in done:
+                mod._parameters[attr] = done[id(p)]
+                continue
+            name = names.get(id(p), attr)
+            local = _local(p).detach()
+            plan.param_bytes_before += local.numel() * local.element_size()
+            dim = shard_dim(local.shape, dp)
+            if dim is None:
+                plan.whole[name] = f"no dimension of {tuple(local.shape)} divisible by {dp}"
+            else:
+                plan.split[name] = dim
+            if isinstance(p, DTensor):  # tensor parallel: a 2-D DTensor over ("dp", "tp")
+                assert full_mesh is not None, "a tensor-parallel parameter needs the (dp, tp) mesh"
+                (tp_placement,) = p.placements
+                if dim is None:
+                    dp_placement: Any = Replicate()
+                    piece = local
+                elif tp_placement.is_shard() and tp_placement.dim == dim:
+                    dp_placement = _StridedShard(dim, split_factor=p.device_mesh.size())
+                    piece = local.chunk(dp, dim)[dp_mesh.get_local_rank()].clone()
+                else:
+                    dp_placement = Shard(dim)
+                    piece = local.chunk(dp, dim)[dp_mesh.get_local_rank()].clone()
+                value = DTensor.from_local(
+                    piece.contiguous(), full_mesh, [dp_placement, tp_placement], run_check=False,
+                    shape=p.shape, stride=p.stride(),
+                )  # fmt: skip
+            else:
+                value = distribute_tensor(local, dp_mesh, [Shard(dim) if dim is not None else Replicate()])
+                value = DTensor.from_local(
+                    value.to_local().clone(),
+                    dp_mesh,
+                    value.placements,
+                    run_check=False,
+                    shape=value.shape,
+                    stride=value.stride(),
+                )  # its own storage: a view would keep the whole parameter alive
+            new = nn.Parameter(value, requires_grad=p.requires_grad)
+            setattr(new, MARK, True)
+            plan.param_bytes_held += _local(new).numel() * new.element_size()
+            done[id(p)] = new
+            mod._parameters[attr] = new
+        _read_through(mod, [attr for attr, _ in own], read)
+    return plan
+
+
+def _local(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _read_through(mod: nn.Module, attrs: list[str], read: ParameterRead) -> None:
+    """Make ``mod.<attr>`` return ``read(stored shard)``: a subclass of the module's class with one property per
+    parameter (``nn.Module.__getattr__`` is bypassed; ``state_dict``/``named_parameters`` still see the shards).
+    torch's ``parametrize`` would rename the state dict keys (``parametrizations.weight.original``) and so break
+    checkpoints keyed by name; this keeps them."""
+    cls = type(mod)
+    props = {a: property(lambda self, a=a: read(self._parameters[a])) for a in attrs}
+    if getattr(cls, "_sgdtp_sharded_class", False):
+        for a, prop in props.items():
+            setattr(cls, a, prop)
+        return
+    mod.__class__ = type(f"Sharded{cls.__name__}", (cls,), {**props, "_sgdtp_sharded_class": True})
+
+
+# --------------------------------------------------------------------------------------- memory, exact
+def held_bytes(module: nn.Module, optimizers: list[torch.optim.Optimizer] = ()) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer state (local shards of DTensors), counted
+    from the tensors themselves."""
+    seen: set[int] = set()
+
+    def count(t: Any) -> int:
+        if not isinstance(t, Tensor):
+            return 0
+        local = _local(t)
+        storage = local.untyped_storage()  # what the process really holds (a view keeps its whole storage)
+        key = storage.data_ptr() if local.numel() else id(local)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return storage.nbytes()
+
+    params = sum(count(p) for p in module.parameters())
+    grads = sum(count(p.grad) for p in module.parameters() if p.grad is not None)
+    state = 0
+    for opt in optimizers:
+        opt = getattr(opt, "_optimizer", opt)
+        for per_param in opt.state.values():
+            state += sum(count(v) for v in per_param.values() if isinstance(v, Tensor) and v.dim() > 0)
+    return {"parameters": params, "gradients": grads, "optimizer_state": state, "total": params + grads + state}
