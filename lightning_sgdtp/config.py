@@ -346,6 +346,17 @@ class SGDTPConfig:
                 " gradients and optimizer state across the data-parallel ranks (ZeRO-3), 'optimizer' gradients and"
                 " optimizer state (ZeRO-2), 'none' keeps a whole replica per rank."
             )
+        if self.sharded and self.parallelism == "tensor":
+            raise SGDTPConfigError(
+                f"sharding={self.sharding!r} splits over the data-parallel ranks, and parallelism='tensor' has none."
+                " Use parallelism='data' (or remove sharding)."
+            )
+        if self.sharded and (self.parallelism == "hybrid" or self.pipelined):
+            raise NotAvailableYetError(
+                f"sharding={self.sharding!r} with {'pipeline stages' if self.pipelined else 'parallelism=hybrid'} is not"
+                " available yet (its gradients do not match one-process training yet; see docs/sharding.md). Use"
+                f" parallelism='data' with sharding={self.sharding!r}, or keep this layout without sharding."
+            )
         if self.param_gather_dtype is not None:
             if self.param_gather_dtype not in GRAD_COMM_DTYPES:
                 raise SGDTPConfigError(

@@ -40,6 +40,13 @@ from lightning_sgdtp.preemption import PreemptionCoordinator
 
 NEGATIVE_CONTROL_ENV = "SGDTP_NEGATIVE_CONTROL"
 NO_DP_SYNC = "no-dp-sync"
+NO_REDUCE_SCATTER = "no-reduce-scatter"
+
+
+def missed_reduce_scatter() -> bool:
+    """The sharding's negative control (``SGDTP_NEGATIVE_CONTROL=no-reduce-scatter``): the sharded parameters'
+    reads drop their gradient reduction; the backend's proof must then refuse the graph."""
+    return os.environ.get(NEGATIVE_CONTROL_ENV) == NO_REDUCE_SCATTER
 
 
 def negative_control() -> bool:

@@ -33,10 +33,10 @@ from lightning_sgdtp.config import SGDTPConfigError
 from lightning_sgdtp.engine.base import BROADCAST_BUCKET_BYTES, EngineInputs, StepEngine
 from lightning_sgdtp.engine.prepare import PartPreparation, is_tensor_parallel, prepare_part
 from lightning_sgdtp.engine.step_compile import compile_step, restore_bookkeeping, run_bookkeeping_eagerly
-from lightning_sgdtp.grad_sync import GradSync
+from lightning_sgdtp.grad_sync import GradSync, missed_reduce_scatter
 from lightning_sgdtp.parallel.checkpointing import block_names
 from lightning_sgdtp.parallel.clipping import clip_grad_norm_
-from lightning_sgdtp.parallel.sharding import ShardPlan, is_sharded
+from lightning_sgdtp.parallel.sharding import ShardPlan, is_sharded, keep_embeddings_whole
 from lightning_sgdtp.parallel.tensor import TensorPlan, TensorPlanError, auto_plan, resolve_plan
 from lightning_sgdtp.timeline import label
 
@@ -90,6 +90,8 @@ class CompiledStep(StepEngine):
                 f"sequence_parallel=True, but for {type(module).__name__} sequence parallel is"
                 f" {plan.sequence_reason}. Remove sequence_parallel=True (tensor parallel alone is still applied)."
             )
+        if config.sharded:
+            keep_embeddings_whole(module, plan)
         if config.sequence_parallel is None and not config.tp_plan:
             why = plan.sequence_reason or "off"
             plan.sequence_reason = f"{why} (sequence_parallel=None: on with CUDA devices, off on CPU)"
@@ -117,9 +119,12 @@ class CompiledStep(StepEngine):
                 module.named_parameters(), self.compiler, self.dp_group, config, True, say, self.preemption,
                 accumulation=accumulate > 1,
             )  # fmt: skip
-            if not self.grad_sync.enabled and self.shard_plan is not None:  # the negative control: nothing reduced
+            if self.shard_plan is not None and (not self.grad_sync.enabled or missed_reduce_scatter()):
+                # The negative controls: no sharded gradient reduced; with no-dp-sync the proof is off too (training
+                # must then be wrong), with no-reduce-scatter it stays on (the compile must fail, naming them).
                 self.module._sgdtp_read.reduce = False
-                self.compiler.prove_shards = False
+                self.compiler.prove_shards = self.grad_sync.enabled
+                say("NEGATIVE CONTROL: the sharded parameters' gradients are NOT reduce-scattered")
             if accumulate > 1:
                 # The micro-batches that only accumulate run graphs compiled without collectives (a second backend
                 # object: Dynamo keeps both graphs and guards on which backend runs).

@@ -25,7 +25,8 @@ def global_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Te
     norm_type = float(norm_type)
     is_inf = math.isinf(norm_type)
     replicated = torch.zeros((), dtype=torch.float32)
-    split: dict[object, tuple[Tensor, object]] = {}  # mesh -> (accumulated local part, its group)
+    # (mesh, the mesh dimensions the gradient is split over) -> (accumulated local part, the groups to sum over)
+    split: dict[object, tuple[Tensor, list]] = {}
     for p in parameters:
         g = p.grad
         if g is None:
@@ -35,17 +36,20 @@ def global_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Te
         if local.numel() == 0:
             part = torch.zeros((), dtype=torch.float32)
         if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements):
+            # Split over some mesh dimensions (sharded over dp, tensor parallel over tp, or both): the parts are
+            # summed over each of those dimensions' groups; a replicated dimension holds copies and is not summed.
             mesh = g.device_mesh
-            if mesh.ndim != 1:
-                raise NotImplementedError("global_grad_norm: gradients split over more than one mesh dimension")
-            acc, group = split.get(mesh, (torch.zeros((), dtype=torch.float32), mesh.get_group()))
+            dims = tuple(d for d, pl in enumerate(g.placements) if pl.is_shard())
+            groups = [mesh.get_group(d) for d in dims]
+            acc, _ = split.get((mesh, dims), (torch.zeros((), dtype=torch.float32), groups))
             acc = torch.maximum(acc, part.cpu()) if is_inf else acc + part.cpu()
-            split[mesh] = (acc, group)
+            split[(mesh, dims)] = (acc, groups)
         else:
             replicated = torch.maximum(replicated, part.cpu()) if is_inf else replicated + part.cpu()
     total = replicated
-    for acc, group in split.values():
-        dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+    for acc, groups in split.values():
+        for group in groups:
+            dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
         total = torch.maximum(total, acc) if is_inf else total + acc
     return total if is_inf else total.pow(1.0 / norm_type)
 

@@ -49,6 +49,8 @@ class ShardPlan:
     split: dict[str, int] = field(default_factory=dict)
     #: parameter name -> why it stays whole
     whole: dict[str, str] = field(default_factory=dict)
+    #: parameter name -> why it is not sharded at all (replicated over dp, averaged by the gradient buckets)
+    replicated: dict[str, str] = field(default_factory=dict)
     #: bytes of the parameters as this rank held them before (the whole model, or its tensor-parallel part)
     param_bytes_before: int = 0
     #: bytes of the parameters this rank holds now (its shards + the parameters kept whole)
@@ -63,6 +65,8 @@ class ShardPlan:
             "optimizer": "gathered once per step and kept until backward (ZeRO-2)",
         }[self.mode]
         whole = ""
+        if self.replicated:
+            whole += f"; not sharded (gradient buckets as without sharding): {', '.join(sorted(self.replicated))}"
         if self.whole:
             names = sorted(self.whole)
             whole = f"; {len(names)} kept whole (all-reduced): {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
@@ -84,6 +88,7 @@ class ShardPlan:
             "dp": self.dp,
             "split": dict(self.split),
             "whole": dict(self.whole),
+            "replicated": dict(self.replicated),
             "param_bytes_before": self.param_bytes_before,
             "param_bytes_held": self.param_bytes_held,
             "largest_block": self.largest_block,
@@ -135,8 +140,12 @@ class ParameterRead:
         self.reduce = True
 
     def __call__(self, param: Tensor) -> Tensor:
+        import os
+
         from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+        if os.environ.get("NOSAC"):
+            return self._gather(param)
         policy = _recompute if self.mode == "full" else _keep
         context = functools.partial(create_selective_checkpoint_contexts, policy)
         return checkpoint(self._gather, param, use_reentrant=False, context_fn=context)
@@ -167,6 +176,20 @@ def _plain(placement: Any) -> Any:
     return Shard(placement.dim) if placement.is_shard() else placement
 
 
+def keep_embeddings_whole(module: nn.Module, plan: Any) -> None:
+    """With sharding and tensor parallel: embeddings (and a head tied to one) are not split by vocabulary but
+    sharded over dp like any other parameter. A vocabulary-parallel lookup yields torch's ``_MaskPartial``, whose
+    mask meets two fake-tensor modes once its weight is re-wrapped in the graph (torch 2.13: "Mixing fake modes
+    NYI" at compile)."""
+    named = dict(module.named_modules())
+    weights = {id(m.weight) for m in named.values() if isinstance(m, nn.Embedding)}
+    for name in list(plan.styles):
+        m = named.get(name)
+        if isinstance(m, nn.Embedding) or id(getattr(m, "weight", None)) in weights:
+            del plan.styles[name]
+            plan.replicated[name] = "an embedding (or tied to one): sharded over dp, not split by vocabulary"
+
+
 # ------------------------------------------------------------------------------------------ applying it
 def shard_parameters(
     module: nn.Module,
@@ -188,8 +211,13 @@ def shard_parameters(
     read = ParameterRead(mode, dp_mesh, gather_dtype, reduce_dtype)
     module._sgdtp_read = read  # the negative control switches read.reduce off
     names = {id(p): n for n, p in module.named_parameters()}
-    for block, child in module.named_children():
-        size = sum(_local(p).numel() * p.element_size() for p in child.parameters())
+    from lightning_sgdtp.parallel.checkpointing import find_block_stack
+
+    found = find_block_stack(module)  # the transformer layers; else the top-level children
+    stack = f"{found[0]}." if found is not None and found[0] else ""
+    blocks = [f"{stack}{n}" for n, _ in found[1].named_children()] if found else [n for n, _ in module.named_children()]
+    for block in blocks:
+        size = sum(_local(p).numel() * p.element_size() for p in module.get_submodule(block).parameters())
         if size > plan.largest_block_bytes:
             plan.largest_block_bytes, plan.largest_block = size, block
     done: dict[int, nn.Parameter] = {}  # tied parameters: split once, shared
@@ -202,6 +230,15 @@ def shard_parameters(
                 mod._parameters[attr] = done[id(p)]
                 continue
             name = names.get(id(p), attr)
+            if isinstance(p, DTensor) and isinstance(mod, nn.Embedding) and p.placements[0].is_shard(0):
+                # A vocabulary-parallel lookup yields torch's _MaskPartial, whose mask does not survive Dynamo's
+                # fake tensors once the weight is re-wrapped in the graph (torch 2.13): keep it tensor-parallel only.
+                plan.replicated[name] = "vocabulary-parallel embedding (tensor parallel only)"
+                size = _local(p).numel() * p.element_size()
+                plan.param_bytes_before += size
+                plan.param_bytes_held += size
+                done[id(p)] = p
+                continue
             local = _local(p).detach()
             plan.param_bytes_before += local.numel() * local.element_size()
             dim = shard_dim(local.shape, dp)
@@ -240,7 +277,9 @@ def shard_parameters(
             plan.param_bytes_held += _local(new).numel() * new.element_size()
             done[id(p)] = new
             mod._parameters[attr] = new
-        _read_through(mod, [attr for attr, _ in own], read)
+        attrs = [attr for attr, _ in own if getattr(mod._parameters[attr], MARK, False)]
+        if attrs:
+            _read_through(mod, attrs, read)
     return plan
 
 
