@@ -140,12 +140,9 @@ class ParameterRead:
         self.reduce = True
 
     def __call__(self, param: Tensor) -> Tensor:
-        import os
 
         from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-        if os.environ.get("NOSAC"):
-            return self._gather(param)
         policy = _recompute if self.mode == "full" else _keep
         context = functools.partial(create_selective_checkpoint_contexts, policy)
         return checkpoint(self._gather, param, use_reentrant=False, context_fn=context)
