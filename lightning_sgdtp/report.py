@@ -137,6 +137,7 @@ def plan_dict(
         "mesh_layout": layout.grid if layout is not None else None,
         "tensor_parallel_plan": parts.get("tensor_parallel_plan"),
         "pipeline": parts.get("pipeline"),
+        "sharding": parts.get("sharding"),
         "num_nodes": num_nodes,
         "process_group_backend": process_group_backend,
         "config": config.to_dict(),

@@ -107,7 +107,8 @@ class StepEngine(ABC):
         """``plan["sharding"]``: the layout, the bytes per rank, the collectives of each graph."""
         if not plans:
             return None
-        graphs = [g.sharded for g in (self.compiler.graphs if self.compiler is not None else []) if g.sharded]
+        compilers = [c for c in (self.compiler, getattr(self, "accumulating_compiler", None)) if c is not None]
+        graphs = sorted((g for c in compilers for g in c.sharded_graphs.values()), key=lambda g: g["graph_id"])
         return {"parts": [p.to_dict() for p in plans], "collectives_per_graph": graphs, "held_bytes": self.held}
 
     def program(self) -> dict[str, Any]:

@@ -140,7 +140,6 @@ class ParameterRead:
         self.reduce = True
 
     def __call__(self, param: Tensor) -> Tensor:
-
         from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
         policy = _recompute if self.mode == "full" else _keep
