@@ -351,11 +351,10 @@ class SGDTPConfig:
                 f"sharding={self.sharding!r} splits over the data-parallel ranks, and parallelism='tensor' has none."
                 " Use parallelism='data' (or remove sharding)."
             )
-        if self.sharded and (self.parallelism == "hybrid" or self.pipelined):
+        if self.sharded and self.pipelined:
             raise NotAvailableYetError(
-                f"sharding={self.sharding!r} with {'pipeline stages' if self.pipelined else 'parallelism=hybrid'} is not"
-                " available yet (its gradients do not match one-process training yet; see docs/sharding.md). Use"
-                f" parallelism='data' with sharding={self.sharding!r}, or keep this layout without sharding."
+                f"sharding={self.sharding!r} with pipeline stages is not available yet (see docs/sharding.md). Use"
+                f" parallelism='data' or 'hybrid' with sharding={self.sharding!r}, or the pipeline without sharding."
             )
         if self.param_gather_dtype is not None:
             if self.param_gather_dtype not in GRAD_COMM_DTYPES:

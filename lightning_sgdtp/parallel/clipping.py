@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_sgdtp.parallel.sharding import is_split
 from lightning_sgdtp.parallel.tensor import local_shard
 
 
@@ -35,11 +36,11 @@ def global_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Te
         part = local.abs().max() if is_inf else local.abs().pow(norm_type).sum()
         if local.numel() == 0:
             part = torch.zeros((), dtype=torch.float32)
-        if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements):
+        if isinstance(g, DTensor) and any(is_split(pl) for pl in g.placements):
             # Split over some mesh dimensions (sharded over dp, tensor parallel over tp, or both): the parts are
             # summed over each of those dimensions' groups; a replicated dimension holds copies and is not summed.
             mesh = g.device_mesh
-            dims = tuple(d for d, pl in enumerate(g.placements) if pl.is_shard())
+            dims = tuple(d for d, pl in enumerate(g.placements) if is_split(pl))
             groups = [mesh.get_group(d) for d in dims]
             acc, _ = split.get((mesh, dims), (torch.zeros((), dtype=torch.float32), groups))
             acc = torch.maximum(acc, part.cpu()) if is_inf else acc + part.cpu()

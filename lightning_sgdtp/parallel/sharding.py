@@ -169,7 +169,15 @@ def _plain(placement: Any) -> Any:
     """A ``_StridedShard(d, ...)`` over dp is ``Shard(d)`` of the tensor-parallel local shard."""
     from torch.distributed.tensor import Shard
 
-    return Shard(placement.dim) if placement.is_shard() else placement
+    return Shard(placement.dim) if is_split(placement) else placement
+
+
+def is_split(placement: Any) -> bool:
+    """``Shard`` or ``_StridedShard`` (torch 2.13: ``_StridedShard`` is not a ``Shard`` and its ``is_shard()`` is
+    False)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return placement.is_shard() or isinstance(placement, _StridedShard)
 
 
 def keep_embeddings_whole(module: nn.Module, plan: Any) -> None:
