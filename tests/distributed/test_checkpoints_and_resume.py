@@ -30,13 +30,15 @@ REL_TOL = {"tensor": 1e-2, "pipeline": 1e-3}  # fp32, as in test_tensor_parallel
 
 
 # ------------------------------------------------------------------------------------------- data parallel
-def test_resume_ends_with_exactly_the_uninterrupted_parameters(tmp_path: Path) -> None:
-    """Three jobs as on a cluster: 2 epochs straight; 1 epoch + checkpoint; a new job resumed from it.
+@pytest.mark.parametrize("sharding", ["none", "full"])
+def test_resume_ends_with_exactly_the_uninterrupted_parameters(sharding: str, tmp_path: Path) -> None:
+    """Three jobs as on a cluster: 2 epochs straight; 1 epoch + checkpoint; a new job resumed from it. Replicated
+    (one checkpoint file) and sharded (a DCP folder of each rank's shards and optimizer state).
 
     Bitwise equality needs deterministic kernels: the jobs run one thread per rank (Inductor's CPU
     embedding backward adds with atomics across threads, which reorders float sums)."""
     for part in ("straight", "first", "resumed", "ref"):
-        run_job("dp_resume.py", part, str(tmp_path))
+        run_job("dp_resume.py", part, str(tmp_path), *([sharding] if part != "ref" else []))
     straight = torch.load(tmp_path / "straight.pt")
     resumed = torch.load(tmp_path / "resumed.pt")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight), max_abs_diff(straight, resumed)
@@ -59,6 +61,10 @@ ON_ANOTHER_MESH: dict[str, list[dict[str, Any]]] = {
     ],
     "resume_tp_to_dp": [{"parallelism": "tensor"}, {"parallelism": "data"}],
     "resume_dp_to_tp": [{"parallelism": "data"}, {"parallelism": "tensor"}],
+    # sharded (DTensors over dp) <-> replicated <-> tensor parallel: DCP reshards by parameter name
+    "resume_sharded_to_dp": [{"parallelism": "data", "sharding": "full"}, {"parallelism": "data"}],
+    "resume_dp_to_sharded": [{"parallelism": "data"}, {"parallelism": "data", "sharding": "optimizer"}],
+    "resume_tp_to_sharded": [{"parallelism": "tensor"}, {"parallelism": "data", "sharding": "full"}],
 }
 _TP: dict[str, dict] = {}
 

@@ -12,6 +12,8 @@ The representative cells of the support matrix; the whole matrix is ``python too
   (``use_cache``) and then the explicit causal mask under DTensor attention (model_settings.py, dtensor_ops.py);
 - ``resnet_data``: transformers ResNet with BatchNorm, against Lightning's DDP on the same ranks (batch statistics
   are per rank, as with DDP): parameters and the running statistics (buffers, rank 0's broadcast before each step);
+- ``llama_data_sharded`` / ``gpt2_hybrid_sharded``: ``sharding="full"`` (parameters as DTensors over dp, gathered by
+  their read inside the compiled graphs); GPT-2's Conv1D weights are split by dp inside their tensor-parallel shard;
 - a BatchNorm model under pipeline parallelism is refused at setup, naming the layers, the reason and the fix.
 
 Tolerances, as in the parity tests of our own models (test_pipeline_parallel.py): fp32 over 4 AdamW steps
@@ -43,6 +45,14 @@ CELLS: dict[str, dict[str, Any]] = {
         "sgdtp": {"parallelism": "hybrid", "tensor_parallel_size": 2},
     },
     "resnet_data": {"model": "resnet", "devices": 2, "dp": 2, "sgdtp": {}, "reference": "ddp"},
+    # sharded data parallel (issue 16): parameters, gradients and AdamW state split over dp, in 1-D and 2-D
+    "llama_data_sharded": {"model": "llama", "devices": 2, "dp": 2, "sgdtp": {"sharding": "full"}},
+    "gpt2_hybrid_sharded": {
+        "model": "gpt2",
+        "devices": 4,
+        "dp": 2,
+        "sgdtp": {"parallelism": "hybrid", "tensor_parallel_size": 2, "sharding": "full"},
+    },
 }
 _RESULTS: dict[str, dict] = {}
 
@@ -72,6 +82,10 @@ def test_zoo_model_trains_like_one_process(name: str, tmp_path_factory: pytest.T
     if name == "llama_tensor":  # use_cache was turned off for the run and said so; the split was real
         assert "use_cache=False while training for model" in r["log"], r["log"][-3000:]
         assert r["info"]["plan"]["tensor_parallel_plan"], r["info"]["plan"]
+    if "sharding" in CELLS[name]["sgdtp"]:  # really split, and every sharded gradient proved reduced in its graph
+        sharding = r["info"]["plan"]["sharding"]
+        assert sharding["parts"][0]["split"], sharding
+        assert all(g["proved_reduced"] == g["sharded_gradients"] for g in sharding["collectives_per_graph"])
     if name == "vit_pipeline":  # the boundary views were made contiguous (without: "has to be contiguous")
         assert r["info"]["plan"]["pipeline"]["contiguous_boundaries"], r["info"]["plan"]["pipeline"]
 

@@ -7,7 +7,8 @@ parameters torch's foreach path), 6 steps (4 for the zoo). Measured here (fp32, 
 - first-step gradients (full tensors gathered from the shards) against the reference: 4e-7 relative; a gradient
   not reduced (each rank its own half-batch gradient) is off by ~0.3-1;
 - ``rel`` (the update over the run against the reference's): 4.7e-5 (GPT, full), 7e-5 (GPT, optimizer + clipping);
-  the negative control (no reduction) measures > 0.2. Tolerance 1e-2, as the tensor-parallel parity tests.
+  5e-4 (hybrid dp=2 x tp=2, MultiheadAttention model, clipping); the negative control (no reduction) measures > 0.2.
+  Tolerance 1e-2, as the tensor-parallel parity tests.
 
 Memory is asserted from byte counts taken from the tensors themselves (``held_bytes``: the storages of the
 parameters, gradients and optimizer state a rank holds after the first step), with 2 and 4 ranks: at most the
@@ -33,6 +34,14 @@ CASES: dict[str, dict[str, Any]] = {
         "trainer": {"gradient_clip_val": 0.3},
     },
     "data_gpt_full_4_ranks": {"model": "small_gpt", "devices": 4, "phases": [DATA_FULL], "trainer": {}},
+    # 2-D: tensor parallel over tp=2 inside each of 2 data-parallel replicas, each parameter a DTensor over (dp, tp)
+    # (_StridedShard where both split the same dimension); clipping by the norm over both dimensions
+    "hybrid_mha_full_clip": {
+        "model": "MHALanguageModel",
+        "devices": 4,
+        "phases": [{"parallelism": "hybrid", "tensor_parallel_size": 2, "sharding": "full"}],
+        "trainer": {"gradient_clip_val": 0.3},
+    },
 }
 _RESULTS: dict[str, dict] = {}
 
@@ -72,7 +81,7 @@ def test_sharded_training_matches_one_process(name: str, tmp_path_factory: pytes
     assert plan["bytes_per_step"]["fallback"] == 0
 
 
-@pytest.mark.parametrize("name", ["data_gpt_full", "data_gpt_full_4_ranks"])
+@pytest.mark.parametrize("name", ["data_gpt_full", "data_gpt_full_4_ranks", "hybrid_mha_full_clip"])
 def test_each_rank_holds_its_share_of_the_bytes(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Parameters + gradients + AdamW state per rank <= 1/N of the unsharded bytes + one block's parameters."""
     r = result(name, tmp_path_factory, CASES[name])

@@ -1,11 +1,11 @@
 """Resume under data parallel: one part of the scenario per job, as on a cluster.
 
-Usage: python tests/distributed/jobs/dp_resume.py PART OUT_DIR, with PART one of
+Usage: python tests/distributed/jobs/dp_resume.py PART OUT_DIR [SHARDING], with PART one of
   straight   train 2 epochs;
   first      train 1 epoch and checkpoint (ModelCheckpoint, save_last);
   resumed    a new job: other weights, then ``fit(ckpt_path=OUT_DIR/ckpt/last.ckpt)`` to 2 epochs;
   ref        2 epochs with Lightning's DDP.
-Rank 0 writes OUT_DIR/PART.pt (final parameters) and OUT_DIR/resume-PART.json (global step, checkpoint files).
+SHARDING (default "none") is SGDTPStrategy's ``sharding``. Rank 0 writes OUT_DIR/PART.pt (final parameters) and OUT_DIR/resume-PART.json (global step, checkpoint files).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from helpers.training import params, quiet_trainer
 from lightning_sgdtp import SGDTPStrategy
 
 
-def main(part: str, out: Path) -> dict[str, Any]:
+def main(part: str, out: Path, sharding: str = "none") -> dict[str, Any]:
     data = token_data(n=32)
     # Same seed in every part, as a user relaunching the job has: Lightning seeds its DistributedSampler's
     # shuffle from PL_GLOBAL_SEED, so another seed would mean another data order (with ddp too).
@@ -45,7 +45,7 @@ def main(part: str, out: Path) -> dict[str, Any]:
             for p in model.parameters():
                 p.add_(1.0)
         ckpt_path = str(out / "ckpt" / "last.ckpt")
-    strategy = "ddp_find_unused_parameters_true" if part == "ref" else SGDTPStrategy()
+    strategy = "ddp_find_unused_parameters_true" if part == "ref" else SGDTPStrategy(sharding=sharding)
     run = quiet_trainer(strategy, out / part, **kwargs)
     run.fit(model, data, ckpt_path=ckpt_path)
     if run.global_rank == 0:
@@ -56,6 +56,6 @@ def main(part: str, out: Path) -> dict[str, Any]:
 
 if __name__ == "__main__":
     part, out = sys.argv[1], Path(sys.argv[2])
-    info = main(part, out)
+    info = main(part, out, *sys.argv[3:4])
     if torch.distributed.get_rank() == 0:
         (out / f"resume-{part}.json").write_text(json.dumps(info, default=str))
