@@ -125,10 +125,17 @@ def load(
     state = {MODEL_KEY: get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state[MODEL_KEY])
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     for i, optimizer in enumerate(optimizers):
         optim_state = {optimizer_key(i): get_optimizer_state_dict(model, optimizer)}
+        # A parameter that had no optimizer state when the checkpoint was written (never got a gradient: AdamW keeps
+        # nothing for it) has none after loading either; torch's state-dict helpers made one up for every parameter.
+        per_param = optim_state[optimizer_key(i)].get("state", {})
+        stateless = [n for n in per_param if not any(k.startswith(f"{optimizer_key(i)}.state.{n}.") for k in saved)]
+        for name in stateless:
+            del per_param[name]
         dcp.load(optim_state, checkpoint_id=path)
-        options = StateDictOptions(strict=not partial_optimizer)
+        options = StateDictOptions(strict=not (partial_optimizer or stateless))
         set_optimizer_state_dict(model, optimizer, optim_state[optimizer_key(i)], options=options)
     return torch.load(path / META, map_location="cpu", weights_only=weights_only)
 

@@ -48,8 +48,9 @@ def main(part: str, out: Path, sharding: str = "none") -> dict[str, Any]:
     strategy = "ddp_find_unused_parameters_true" if part == "ref" else SGDTPStrategy(sharding=sharding)
     run = quiet_trainer(strategy, out / part, **kwargs)
     run.fit(model, data, ckpt_path=ckpt_path)
+    final = params(model)  # a collective with sharded parameters (DTensors gathered): every rank
     if run.global_rank == 0:
-        torch.save(params(model), out / f"{part}.pt")
+        torch.save(final, out / f"{part}.pt")
     files = sorted(p.name for p in (out / "ckpt").iterdir()) if (out / "ckpt").exists() else []
     return {"global_step": run.global_step, "ckpt_files": files}
 
