@@ -44,6 +44,20 @@ def test_resume_ends_with_exactly_the_uninterrupted_parameters(sharding: str, tm
     assert all(torch.equal(straight[k], resumed[k]) for k in straight), max_abs_diff(straight, resumed)
     assert max_abs_diff(straight, torch.load(tmp_path / "ref.pt")) < 1e-4  # and it matches ddp
     info = json.loads((tmp_path / "resume-resumed.json").read_text())
+    if sharding != "none":  # a folder of shards; `sgdtp consolidate` makes the one file of the first job's weights
+        assert (tmp_path / "ckpt" / "last.ckpt" / ".metadata").is_file()
+        one = tmp_path / "one.ckpt"
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_sgdtp.cli",
+            "consolidate",
+            str(tmp_path / "ckpt" / "last.ckpt"),
+            str(one),
+        ]
+        subprocess.run(cmd, check=True, cwd=REPO)
+        consolidated, first = torch.load(one, weights_only=False)["state_dict"], torch.load(tmp_path / "first.pt")
+        assert consolidated.keys() == first.keys() and all(torch.equal(consolidated[k], first[k]) for k in first)
     assert info["global_step"] == 8
     assert "last.ckpt" in info["ckpt_files"] and not [f for f in info["ckpt_files"] if ".tmp" in f]
 
