@@ -162,6 +162,17 @@ class CompiledStep(StepEngine):
             say("one process: nothing to communicate; the step is compiled without collectives")
         elif layout.dp == 1:
             say("data-parallel group of 1: no gradient all-reduce; tensor-parallel collectives are in the graphs")
+        elif self.shard_plan is not None:
+            say(
+                "sharded parameters: all-gathers in the compiled forward, gradient reduce-scatters in the compiled"
+                f" backward, bucketed by Inductor (<= {config.bucket_cap_bytes / 2**20:g} MiB) and scheduled to overlap"
+                " compute; each graph's proof that every sharded gradient is reduced is in plan['sharding']"
+                + (
+                    "; the parameters not sharded keep in-graph all-reduce buckets"
+                    if self.shard_plan.replicated
+                    else ""
+                )
+            )
         elif accumulate == 1:
             if self.compiler is not None and self.compiler.cost is not None:
                 sizing = "sized by the measured cost model"

@@ -1,0 +1,83 @@
+"""Sharding's pure parts: which dimension is split, the compile-time proof over a backward graph, the options."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch import fx
+
+from lightning_sgdtp import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.compiler.shard_proof import UnreducedGradientError, check_sharded_gradients, reduced
+from lightning_sgdtp.parallel.sharding import shard_dim
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize(
+    ("shape", "dp", "dim"),
+    [((64, 32), 2, 0), ((3, 32), 2, 1), ((3, 5), 2, None), ((), 2, None), ((8,), 8, 0), ((4, 6), 8, None)],
+)
+def test_the_first_dimension_the_data_parallel_size_divides_is_split(shape, dp, dim) -> None:
+    assert shard_dim(torch.Size(shape), dp) == dim
+
+
+def _backward_graph(reduce: bool) -> tuple[fx.Graph, dict[int, str]]:
+    """A backward graph of two gradient outputs, as AOTAutograd makes them: the sharded weight's gradient (an mm,
+    then, when ``reduce``, reduce-scatter -> wait -> the average's division -> view) and a plain one."""
+    g = fx.Graph()
+    a, b = g.placeholder("tangent"), g.placeholder("saved")
+    for n in (a, b):
+        n.meta["val"] = torch.empty(8, 8)
+    mm = g.call_function(aten.mm.default, (a, b))
+    mm.meta["val"] = torch.empty(8, 8)
+    out = mm
+    if reduce:
+        rs = g.call_function(c10d.reduce_scatter_tensor.default, (mm, "sum", 2, "0"))
+        wait = g.call_function(c10d.wait_tensor.default, (rs,))
+        div = g.call_function(aten.div.Tensor, (wait, 2))
+        out = g.call_function(aten.view.default, (div, [4, 8]))
+        for n in (rs, wait, div):
+            n.meta["val"] = torch.empty(4, 8)
+        out.meta["val"] = torch.empty(4, 8)
+    other = g.call_function(operator.mul, (b, 2))
+    other.meta["val"] = torch.empty(8, 8)
+    g.output((out, other))
+    return g, {0: "blocks.0.fc.weight"}
+
+
+def test_a_reduce_scattered_gradient_is_proved_and_a_local_one_is_refused() -> None:
+    good, outputs = _backward_graph(reduce=True)
+    record = check_sharded_gradients(good, outputs, graph_id=3)
+    assert record["proved_reduced"] == 1 and record["collectives_in_backward"] == {"reduce_scatter_tensor": 1}
+    bad, outputs = _backward_graph(reduce=False)
+    assert not reduced(bad.output_node().args[0][0])
+    with pytest.raises(UnreducedGradientError, match=r"graph 3 the gradient of sharded parameter\(s\) \['blocks.0.fc"):
+        check_sharded_gradients(bad, outputs, graph_id=3)
+
+
+def test_sharding_options_fail_at_construction_with_the_fix() -> None:
+    assert SGDTPConfig(sharding="full").sharded and not SGDTPConfig().sharded
+    assert (
+        SGDTPConfig.from_options({"distributed": {"strategy": "data", "sharding": "optimizer"}}).sharding == "optimizer"
+    )
+    with pytest.raises(SGDTPConfigError, match="sharding='zero3' is not known"):
+        SGDTPConfig(sharding="zero3")
+    with pytest.raises(SGDTPConfigError, match="parallelism='tensor' has none"):
+        SGDTPConfig(sharding="full", parallelism="tensor")
+    with pytest.raises(NotAvailableYetError, match="pipeline stages"):
+        SGDTPConfig(sharding="full", pipeline_stages=2)
+    with pytest.raises(SGDTPConfigError, match="applies to sharded parameters"):
+        SGDTPConfig(param_gather_dtype="bf16")
+    assert SGDTPConfig(sharding="full", param_gather_dtype="bf16").gather_dtype is torch.bfloat16
+    assert SGDTPConfig(sharding="full", parallelism="hybrid").sharded  # 2-D: dp x tp
+
+
+def test_data_parallel_with_sharding_has_a_mesh_of_the_data_parallel_ranks() -> None:
+    from lightning_sgdtp.layout import ParallelLayout
+
+    layout = ParallelLayout.resolve(SGDTPConfig(sharding="full"), world_size=4, devices_per_node=4)
+    assert layout.grid == [[0], [1], [2], [3]] and layout.mesh_dims == ("dp", "tp") and (layout.dp, layout.tp) == (4, 1)
+    assert ParallelLayout.resolve(SGDTPConfig(), world_size=4, devices_per_node=4).grid is None  # replicated: no mesh
