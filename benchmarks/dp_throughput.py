@@ -28,9 +28,7 @@ import itertools
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 
-from harness import QUIET_TRAINER, cpu_busy, fmt, frames_compiled, free_port, git_commit, median_ms, version
+from harness import QUIET_TRAINER, cpu_busy, fmt, frames_compiled, free_port, git_commit, median_ms, run_reaped, version
 
 # variant -> (strategy kind, torch.compile the LightningModule's inner network (default Inductor), SGDTPStrategy kwargs).
 # sgdtp gets the plain module: the strategy compiles the training step itself (and refuses a compiled module).
@@ -386,18 +384,7 @@ def _run_worker(
     deadline = time.monotonic() + wait_quiet
     while load_before > QUIET and time.monotonic() < deadline:
         load_before = cpu_busy(2.0)
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            try:  # reap the whole session: rank 1 (Lightning's child) and any compile workers
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+    rc = run_reaped(cmd, REPO, env, log, timeout)
     if rc != 0 or not out.exists():
         why = f"timed out after {timeout:.0f}s" if rc is None else f"exit code {rc}"
         tail = log.read_text(errors="replace")[-4000:]

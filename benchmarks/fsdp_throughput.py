@@ -25,9 +25,7 @@ import json
 import os
 import random
 import resource
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from harness import QUIET_TRAINER, free_port, git_commit, version
+from harness import QUIET_TRAINER, free_port, git_commit, run_reaped, version
 
 VARIANTS = ("fsdp2", "fsdp2+compile", "sgdtp(full)", "sgdtp(optimizer)", "sgdtp(replicated)")
 BATCH = 8
@@ -121,18 +119,7 @@ def _run(variant: str, steps: int, warmup: int, tmp: Path, tag: str, timeout: fl
     cmd = [sys.executable, str(SCRIPT), "--worker", variant, "--steps", str(steps), "--warmup", str(warmup)]
     cmd += ["--out", str(out)]
     log = tmp / f"{tag}.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            try:  # reap rank 1 and any compile workers
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+    rc = run_reaped(cmd, REPO, env, log, timeout)
     files = sorted(tmp.glob(f"{tag}-rank*.json"))
     if rc != 0 or len(files) != 2:
         raise RuntimeError(f"{variant} failed (rc={rc}):\n{log.read_text(errors='replace')[-4000:]}")

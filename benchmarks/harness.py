@@ -23,6 +23,27 @@ QUIET_TRAINER = {
 }
 
 
+def run_reaped(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, timeout: float) -> int | None:
+    """Run a worker in its own session with its output in ``log``; on exit or timeout kill the whole session (rank
+    1, Lightning's child, and any compile workers). Returns the exit code, None on timeout."""
+    import os
+    import signal
+
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return rc
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
