@@ -7,7 +7,7 @@ parameters torch's foreach path), 6 steps (4 for the zoo). Measured here (fp32, 
 - first-step gradients (full tensors gathered from the shards) against the reference: 4e-7 relative; a gradient
   not reduced (each rank its own half-batch gradient) is off by ~0.3-1;
 - ``rel`` (the update over the run against the reference's): 4.7e-5 (GPT, full), 7e-5 (GPT, optimizer + clipping);
-  5e-4 (hybrid dp=2 x tp=2, MultiheadAttention model, clipping); the negative control (no reduction) measures > 0.2.
+  5e-4 (hybrid dp=2 x tp=2, MultiheadAttention model, clipping); 2.4e-5 (accumulating 2 micro-batches); the negative control (no reduction) measures > 0.2.
   Tolerance 1e-2, as the tensor-parallel parity tests.
 
 Memory is asserted from byte counts taken from the tensors themselves (``held_bytes``: the storages of the
@@ -24,6 +24,9 @@ import pytest
 from helpers.launch import JOBS, job_env, parity_result, rel_update_diff, run
 
 REL_TOL, GRAD_TOL = 1e-2, 1e-4
+#: bf16 all-gathers round the weights the step computes with: the tolerances of the bf16 tensor-parallel tests
+#: (measured with accumulation: first-step gradients 8.9e-3, rel 0.071)
+BF16 = {"data_gpt_bf16_gather": (3e-2, 0.15)}
 DATA_FULL = {"parallelism": "data", "sharding": "full"}
 CASES: dict[str, dict[str, Any]] = {
     "data_gpt_full": {"model": "small_gpt", "devices": 2, "phases": [DATA_FULL], "trainer": {}},
@@ -34,6 +37,20 @@ CASES: dict[str, dict[str, Any]] = {
         "trainer": {"gradient_clip_val": 0.3},
     },
     "data_gpt_full_4_ranks": {"model": "small_gpt", "devices": 4, "phases": [DATA_FULL], "trainer": {}},
+    # accumulation: every micro-batch reduce-scatters its gradients into the shards, summed there
+    "data_gpt_full_accum": {
+        "model": "small_gpt",
+        "devices": 2,
+        "phases": [DATA_FULL],
+        "trainer": {"accumulate_grad_batches": 2},
+    },
+    # parameters all-gathered in bfloat16: the forward and backward compute with bf16-rounded weights
+    "data_gpt_bf16_gather": {
+        "model": "small_gpt",
+        "devices": 2,
+        "phases": [{"parallelism": "data", "sharding": "optimizer", "param_gather_dtype": "bf16"}],
+        "trainer": {},
+    },
     # 2-D: tensor parallel over tp=2 inside each of 2 data-parallel replicas, each parameter a DTensor over (dp, tp)
     # (_StridedShard where both split the same dimension); clipping by the norm over both dimensions
     "hybrid_mha_full_clip": {
@@ -60,9 +77,10 @@ def grad_error(r: dict) -> float:
 def test_sharded_training_matches_one_process(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     scenario = CASES[name]
     r = result(name, tmp_path_factory, scenario)
-    assert grad_error(r) < GRAD_TOL, f"{name}: first-step gradients differ by {grad_error(r):.3g}"
+    grad_tol, rel_tol = BF16.get(name, (GRAD_TOL, REL_TOL))
+    assert grad_error(r) < grad_tol, f"{name}: first-step gradients differ by {grad_error(r):.3g}"
     rel = rel_update_diff(r["init"], r["ref"], r["sgdtp"])
-    assert rel < REL_TOL, f"{name}: relative update difference {rel:.3g}"
+    assert rel < rel_tol, f"{name}: relative update difference {rel:.3g}"
     if "gradient_clip_val" in scenario["trainer"]:  # clipping acted: the global norm exceeded 0.3
         norm = sum(float(g.norm() ** 2) for g in r["ref_grads"].values()) ** 0.5
         assert norm > 0.3 * 1.5, norm
