@@ -377,6 +377,13 @@ class SGDTPConfig:
         return getattr(torch, name) if name else None
 
     @property
+    def wire_dtype(self) -> Any:
+        """The torch dtype of gradient communication (None: the gradient's own)."""
+        import torch
+
+        return getattr(torch, self.comm_dtype_name) if self.comm_dtype_name else None
+
+    @property
     def sharded(self) -> bool:
         return self.sharding != "none"
 

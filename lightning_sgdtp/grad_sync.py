@@ -94,7 +94,7 @@ class GradSync:
     ) -> None:
         from lightning_sgdtp.parallel.sharding import MARK
 
-        wire = getattr(torch, config.comm_dtype_name) if config.comm_dtype_name else None
+        wire = config.wire_dtype
         named_parameters = list(named_parameters)
         # Sharded parameters are reduced by their own reading (the reduce-scatter in the graph that reads them, proved
         # by the backend at compile time, or DTensor's eager one): not the ledger's to sync.

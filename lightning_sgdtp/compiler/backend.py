@@ -34,9 +34,9 @@ from lightning_sgdtp.compiler.bucket_cost import CostModel
 from lightning_sgdtp.compiler.buckets import GraphBuckets, insert_bucketed_allreduce
 from lightning_sgdtp.compiler.shard_proof import check_sharded_gradients, count_collectives
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.parallel.sharding import MARK
 
 PASS_VERSION = "sgdtp-grad-buckets-v1"
-SHARDED_MARK = "_sgdtp_sharded"  # lightning_sgdtp.parallel.sharding.MARK (no import: that module imports DTensor)
 OVERLAP_PASSES = ["reorder_communication_preserving_peak_memory", "sink_waits_iterative"]
 #: Inductor's own collective bucketing / overlap passes, off while it compiles a backward that carries our buckets:
 #: a user who switches them on globally (for another model) must not have our planned buckets merged or reordered.
@@ -144,7 +144,7 @@ class SGDTPCompiler:
         for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
             if isinstance(value, torch.nn.Parameter) and value.requires_grad:
                 name = self.param_names.get(id(value)) or _source_name(node)
-                if getattr(value, SHARDED_MARK, False):
+                if getattr(value, MARK, False):
                     shard_outputs[offsets[i]] = name
                     continue
                 grad_outputs[offsets[i]] = name
@@ -156,7 +156,7 @@ class SGDTPCompiler:
             # data-parallel group of one (tensor parallel alone) there is nothing to average: covered as they are.
             self.graph_param_ids.update(id(v) for v in params.values())
         cfg = self.config
-        wire_dtype = getattr(torch, cfg.comm_dtype_name) if cfg.comm_dtype_name else None
+        wire_dtype = cfg.wire_dtype
         sizing = self.cost.key() if self.cost is not None else cfg.bucket_cap_bytes
         sharded = bool(shard_outputs)
         salt = f"{PASS_VERSION}:{sync}:{group_name}:{world_size}:{sizing}:{wire_dtype}:{cfg.overlap}:{sharded}"

@@ -96,11 +96,10 @@ class StepEngine(ABC):
     def _sharding(self, dp_mesh: Any, full_mesh: Any | None) -> PartPreparation:
         """The sharding step of a part's preparation, from the options."""
         config = self.config
-        wire = getattr(torch, config.comm_dtype_name) if config.comm_dtype_name else None
         full = full_mesh if self.layout.tp > 1 else None
         return PartPreparation(
             sharding=config.sharding, dp_mesh=dp_mesh, full_mesh=full, gather_dtype=config.gather_dtype,
-            reduce_dtype=wire,
+            reduce_dtype=config.wire_dtype,
         )  # fmt: skip
 
     def sharding_plan(self, plans: list[Any]) -> dict[str, Any] | None:
