@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from types import FrameType
 from typing import Any
 
@@ -76,6 +77,14 @@ def requeue_slurm_job(timeout: float = 60.0) -> tuple[bool, str]:
     return True, f"job {job} requeued"
 
 
+def _flush_output() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or detached: nothing to flush
+            pass
+
+
 class PreemptionCoordinator:
     """The ranks' agreement on a preemption signal, and what they do at the end of the agreed step.
 
@@ -116,14 +125,21 @@ class PreemptionCoordinator:
         path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
         path = broadcast(path)  # rank 0's name, in case the ranks see the folder differently
         trainer.save_checkpoint(path)
+        # Say it before the requeue: `scontrol requeue` ends this job's tasks within seconds, and a line written
+        # after it can be lost (seen in CI: the requeued job's log lacked it).
+        job = slurm_job_id()
+        message = f"sgdtp: preempted at step {trainer.global_step}: checkpoint saved to {path}; requeueing job {job}; stopping"
+        if job is not None:
+            say(message.removeprefix("sgdtp: "))
+        _flush_output()
         done, what = requeue_slurm_job() if rank == 0 else (False, "")
         done, what = broadcast((done, what))
         if not done:
             say(f"preemption signal: checkpoint saved to {path}, but {what}; training goes on")
             self.signal.requested = False
             return
-        message = f"sgdtp: preempted at step {trainer.global_step}: checkpoint saved to {path}; {what}; stopping"
-        say(message.removeprefix("sgdtp: "))
+        say(what)
+        _flush_output()
         raise Preempted(message)
 
     def close(self) -> None:
