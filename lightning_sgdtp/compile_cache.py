@@ -59,6 +59,9 @@ GRAPH_OPTIONS = (
     "tensor_parallel_size",
     "tp_plan",
     "sequence_parallel",
+    "sharding",
+    "param_gather_dtype",
+    "shard_size",
 )
 
 

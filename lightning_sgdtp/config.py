@@ -98,6 +98,10 @@ class SGDTPConfig:
             tensor parallel, a 2-D layout) and pipeline (each stage over its replicas). See ``docs/sharding.md``.
         param_gather_dtype: with ``sharding``: ``None`` (gather parameters in their own dtype) or ``"bf16"`` (half
             the bytes of each all-gather; the computation then sees bfloat16 parameters, as with bf16-mixed).
+        shard_size: with ``sharding``, ``parallelism="data"``: over how many data-parallel ranks a parameter is
+            split. ``None`` (default: all of them), ``"node"`` (the ranks of one node: split inside a node over its
+            fast links, replicated across nodes, FSDP's hybrid shard / HSDP) or an int that divides the
+            data-parallel size. The replicas' gradients are all-reduced across the groups.
         profile_steps: ``(first, last)``: record optimizer steps ``first`` .. ``last`` (inclusive) with
             torch.profiler on every rank and write a timeline (a trace per rank for Perfetto / Chrome, and one HTML
             page of a step) into ``sgdtp_timeline/`` next to the logs. See ``docs/speed.md``.
@@ -129,6 +133,7 @@ class SGDTPConfig:
     profile_steps: tuple[int, int] | None = None
     sharding: str = "none"
     param_gather_dtype: str | None = None
+    shard_size: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.parallelism not in PARALLELISMS:
@@ -351,11 +356,24 @@ class SGDTPConfig:
                 f"sharding={self.sharding!r} splits over the data-parallel ranks, and parallelism='tensor' has none."
                 " Use parallelism='data' (or remove sharding)."
             )
-        if self.sharded and self.pipelined:
-            raise NotAvailableYetError(
-                f"sharding={self.sharding!r} with pipeline stages is not available yet (see docs/sharding.md). Use"
-                f" parallelism='data' or 'hybrid' with sharding={self.sharding!r}, or the pipeline without sharding."
-            )
+        size = self.shard_size
+        if size is not None:
+            if size != "node" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+                raise SGDTPConfigError(
+                    f"shard_size={size!r}: use None (split over every data-parallel rank), 'node' (split inside"
+                    " each node, replicate across nodes) or a positive int that divides the data-parallel size."
+                )
+            if not self.sharded:
+                raise SGDTPConfigError(
+                    f"shard_size={size!r} applies to sharded parameters: set sharding='full' or 'optimizer' (or"
+                    " remove shard_size)."
+                )
+            if self.parallelism != "data" or self.pipelined:
+                raise NotAvailableYetError(
+                    f"shard_size={size!r} (hybrid sharding) with {'pipeline stages' if self.pipelined else f'parallelism={self.parallelism!r}'}"
+                    " is not available yet: it needs a 3-D mesh. Use parallelism='data' without pipeline_stages,"
+                    " or remove shard_size (every data-parallel rank then holds one shard)."
+                )
         if self.param_gather_dtype is not None:
             if self.param_gather_dtype not in GRAD_COMM_DTYPES:
                 raise SGDTPConfigError(

@@ -208,7 +208,8 @@ class GradSync:
             return
         if self.enabled:
             graph_ids = self.compiler.graph_param_ids
-            with_grad = [p for p in local_parameters if p.grad is not None]
+            # Sharded parameters are reduced by their read (the proof checked it at compile time).
+            with_grad = [p for p in local_parameters if p.grad is not None and id(p) not in self.sharded_ids]
             record = BackwardRecord(
                 graph={id(p) for p in with_grad if id(p) in graph_ids},
                 eager={id(p) for p in with_grad if id(p) not in graph_ids},

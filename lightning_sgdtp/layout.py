@@ -36,6 +36,9 @@ class ParallelLayout:
     tp: int = 1
     #: Rows of global ranks: tensor-parallel groups (``dp x tp``) or stages (``pp x dp``); None: data parallel.
     grid: list[list[int]] | None = None
+    #: Hybrid sharding (``shard_size``): the data-parallel ranks one parameter is split over (None: all of them);
+    #: consecutive ranks (one node's), replicated across the ``dp // shard`` groups.
+    shard: int | None = None
 
     def __post_init__(self) -> None:
         if min(self.pp, self.dp, self.tp) < 1 or self.pp * self.dp * self.tp != self.world_size:
@@ -74,7 +77,7 @@ class ParallelLayout:
         if config.parallelism == "data":
             # Sharded: a ("dp", "tp") mesh with tp = 1 (the parameters are DTensors over its dp dimension).
             grid = [[r] for r in range(world_size)] if config.sharded else None
-            return cls(**base, dp=world_size, grid=grid)
+            return cls(**base, dp=world_size, grid=grid, shard=hybrid_shard_size(config, world_size, devices_per_node))
         tp = tensor_parallel_size(config, world_size, devices_per_node, topology)
         sizes = cls(**base, dp=world_size // tp, tp=tp)  # checked before the topology is asked for a grid
         if topology is None:
@@ -133,6 +136,17 @@ class ParallelLayout:
 
         return DeviceMesh(device_type, torch.tensor(self.grid, dtype=torch.int), mesh_dim_names=self.mesh_dims)
 
+    def build_shard_mesh(self, device_type: str) -> Any | None:
+        """Hybrid sharding: the ``("dp_replicate", "dp_shard")`` mesh (rows: the groups a parameter is split over);
+        None otherwise. Every rank must call it."""
+        if self.shard is None:
+            return None
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        grid = torch.arange(self.world_size, dtype=torch.int).reshape(self.dp // self.shard, self.shard)
+        return DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "dp_shard"))
+
     def describe(self, config: SGDTPConfig, stages: int = 0, micro_batches: int = 0) -> str:
         """The one log line of this decision."""
         if self.pp > 1:
@@ -143,12 +157,33 @@ class ParallelLayout:
                 + ("; pipelines run across nodes" if self.num_nodes > 1 and self.pp == self.num_nodes else "")
             )
         auto = config.tensor_parallel_size in (None, "auto")
+        if self.tp == 1 and self.shard is not None:
+            groups = [list(range(g * self.shard, (g + 1) * self.shard)) for g in range(self.dp // self.shard)]
+            where = " (one node each)" if config.shard_size == "node" else ""
+            return (
+                f"mesh dp={self.dp} as {self.dp // self.shard} x {self.shard}: parameters split inside each group of"
+                f" {self.shard} ranks{where} {groups}, replicated across the groups (sharding={config.sharding},"
+                f" shard_size={config.shard_size!r}: hybrid sharding)"
+            )
         if self.tp == 1:
             return f"mesh dp={self.dp}: parameters split over the {self.dp} ranks (sharding={config.sharding})"
         return (
             f"mesh dp={self.dp} x tp={self.tp}: tensor-parallel groups {self.grid} (rows, each inside one node);"
             " data parallel across rows" + (" (tensor_parallel_size='auto': one fast-link island)" if auto else "")
         )
+
+
+def hybrid_shard_size(config: SGDTPConfig, dp: int, devices_per_node: int) -> int | None:
+    """``shard_size`` in ranks (None: split over all ``dp`` ranks), or an error naming the sizes that fit."""
+    size = devices_per_node if config.shard_size == "node" else config.shard_size
+    if size is None or not config.sharded:
+        return None
+    if dp % size:
+        raise SGDTPConfigError(
+            f"shard_size={config.shard_size!r} ({size} ranks) does not divide the {dp} data-parallel ranks: use a"
+            f" divisor of {dp} (e.g. {max(d for d in range(1, dp + 1) if dp % d == 0 and d <= size)}), 'node', or None."
+        )
+    return None if size == dp else size
 
 
 def pipeline_size(requested: int | None, world_size: int, num_nodes: int) -> int:

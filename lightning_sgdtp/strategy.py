@@ -135,6 +135,7 @@ class SGDTPStrategy(ParallelStrategy):
         profile_steps: tuple[int, int] | None = None,
         sharding: str | None = None,
         param_gather_dtype: str | None = None,
+        shard_size: int | str | None = None,
         options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,

@@ -72,7 +72,9 @@ class CompiledStep(StepEngine):
             for line in self.tensor_plan.describe():
                 self.report.say(line)
         if self.config.sharded and not is_sharded(self.module):
-            self.shard_plan = prepare_part(self.module, self._sharding(self.mesh["dp"], self.mesh)).shard_plan
+            # hybrid sharding (shard_size): split over ("dp_replicate", "dp_shard"); else over dp
+            dp_mesh = self.layout.build_shard_mesh(self.device.type) or self.mesh["dp"]
+            self.shard_plan = prepare_part(self.module, self._sharding(dp_mesh, self.mesh)).shard_plan
             for line in self.shard_plan.describe():
                 self.report.say(line)
         return lambda params, max_norm: clip_grad_norm_(params, max_norm)

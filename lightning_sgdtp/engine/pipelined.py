@@ -30,10 +30,11 @@ from lightning_sgdtp.compiler.backend import SGDTPCompiler
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfigError
 from lightning_sgdtp.engine.base import BROADCAST_BUCKET_BYTES, EngineInputs, StepEngine
 from lightning_sgdtp.engine.prepare import PartPreparation, prepare_part
-from lightning_sgdtp.grad_sync import GradSync
+from lightning_sgdtp.grad_sync import GradSync, missed_reduce_scatter
 from lightning_sgdtp.parallel.clipping import clip_pipeline_grad_norm_
 from lightning_sgdtp.parallel.pipeline import PipelineRunner, check_pipeline_contract, replay_logs, stages_per_rank
 from lightning_sgdtp.parallel.pipeline_split import PipelineSplit, PipelineSplitError, plan_pipeline_split
+from lightning_sgdtp.parallel.sharding import ShardPlan, is_sharded, share_reads, whole_for_tracing
 
 
 class PipelinedStep(StepEngine):
@@ -44,6 +45,7 @@ class PipelinedStep(StepEngine):
         self.runner: PipelineRunner | None = None
         self.split: PipelineSplit | None = None
         self._zero_grad: Callable[..., Any] | None = None
+        self.shard_plan: ShardPlan | None = None
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -71,6 +73,13 @@ class PipelinedStep(StepEngine):
                 split = plan_pipeline_split(module, self.stages, split_points=config.pipeline_split)
             except PipelineSplitError as exc:
                 raise SGDTPConfigError(str(exc)) from exc
+            if config.sharded and not is_sharded(module):
+                # Before the optimizer exists (it steps the shards), over this stage's replicas; every rank shards
+                # the whole module (its copies of the other stages are stale shards). The stages traced later
+                # get the same reads (share_reads).
+                self.shard_plan = prepare_part(module, self._sharding(self.mesh["dp"], None)).shard_plan
+                for line in self.shard_plan.describe():
+                    self.report.say(line)
             names = {id(p): n for n, p in module.named_parameters()}
             self.compiler = SGDTPCompiler(config, group=self.dp_group, param_names=names, on_graph=self.report.announce)
             self.grad_sync = GradSync(
@@ -82,6 +91,9 @@ class PipelinedStep(StepEngine):
                 self.report.say,
                 self.preemption,
             )
+            if self.shard_plan is not None and missed_reduce_scatter():
+                module._sgdtp_read.reduce = False  # the negative control: the proof must fail the first compile
+                self.report.say("NEGATIVE CONTROL: the sharded parameters' gradients are NOT reduce-scattered")
             self.report.count_breaks_from_now()
             self.runner = PipelineRunner(
                 module,
@@ -93,6 +105,7 @@ class PipelinedStep(StepEngine):
                 prepare=self._prepare_stage,
                 measure=config.pipeline_balance == "measured",
                 on_split=self._on_split,
+                tracing=(lambda: whole_for_tracing(module)) if self.shard_plan is not None else contextlib.nullcontext,
             )
             self._on_split(split)
             _leave_cleanly_at_exit()
@@ -111,6 +124,8 @@ class PipelinedStep(StepEngine):
     def _prepare_stage(self, stage: nn.Module) -> None:
         """The same per-part preparation as the compiled engine's: activation checkpointing, then compile."""
         assert self.split is not None and self.compiler is not None
+        if self.shard_plan is not None:
+            share_reads(stage, self.module)
         blocks = [b for stage_blocks in self.split.blocks_per_stage for b in stage_blocks]
         how = PartPreparation(
             checkpoint=blocks if self.config.activation_checkpointing else None, backend=self.compiler
@@ -123,7 +138,12 @@ class PipelinedStep(StepEngine):
             )
 
     def setup_training(self, accumulate: int) -> None:
-        if self.layout.dp > 1:
+        if self.shard_plan is not None:
+            self.report.say(
+                "sharded stages: parameter all-gathers in each stage's compiled forward, gradient reduce-scatters in"
+                f" its compiled backward over its data-parallel group of {self.layout.dp}, once per micro-batch"
+            )
+        elif self.layout.dp > 1:
             self.report.say(
                 f"gradient sync inside each stage's compiled backward, over its data-parallel group of"
                 f" {self.layout.dp}: buckets of <= {self.config.bucket_cap_bytes / 2**20:g} MiB, once per micro-batch"
@@ -226,6 +246,7 @@ class PipelinedStep(StepEngine):
                 "contiguous_boundaries": list(runner.boundaries) if runner is not None else [],
             },
             "activation_checkpointing": list(self.checkpointed),
+            "sharding": self.sharding_plan([self.shard_plan] if self.shard_plan is not None else []),
             "graphs": [g.to_dict() for g in self.compiler.graphs] if self.compiler else [],
         }
 

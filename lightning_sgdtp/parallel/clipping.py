@@ -75,20 +75,36 @@ def clip_pipeline_grad_norm_(
 ) -> Tensor:
     """Clip by the norm of the whole model when each rank of a pipeline holds some stages' parameters: each
     rank's ``sum |g|^p`` is summed over the pipeline ``group``; a parameter ``holders[id(p)]`` ranks hold (a tied
-    embedding and head) counts once. The data-parallel replicas hold averaged, equal gradients: no reduce."""
+    embedding and head) counts once. The data-parallel replicas hold averaged, equal gradients: no reduce; with
+    sharding, each holds a shard of them, summed over the stage's data-parallel group."""
     params = [p for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     is_inf = math.isinf(norm_type)
-    total = torch.zeros((), dtype=torch.float64)
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    whole, split = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    dp_group = None
     for p in params:
-        g = p.grad.detach().float()
-        if is_inf:
-            total = torch.maximum(total, g.abs().max().double().cpu())
+        g = local_shard(p.grad).detach().float()
+        part = (g.abs().max() if is_inf else g.abs().pow(norm_type).sum()).double().cpu() if g.numel() else 0.0
+        part = part / (1 if is_inf else (holders or {}).get(id(p), 1))
+        if _is_dp_split(p.grad):  # sharded over the stage's replicas (sharding=...): the shards add up
+            dp_group = p.grad.device_mesh.get_group(0)
+            split = torch.maximum(split, torch.as_tensor(part)) if is_inf else split + part
         else:
-            total += g.abs().pow(norm_type).sum().double().cpu() / (holders or {}).get(id(p), 1)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+            whole = torch.maximum(whole, torch.as_tensor(part)) if is_inf else whole + part
+    if dp_group is not None:  # every replica of a stage holds the same parameters: all of them get here
+        dist.all_reduce(split, op=op, group=dp_group)
+    total = torch.maximum(whole, split) if is_inf else whole + split
+    dist.all_reduce(total, op=op, group=group)
     norm = (total if is_inf else total.pow(1.0 / norm_type)).float()
     coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
     for p in params:
-        p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+        local = local_shard(p.grad)
+        local.mul_(coef.to(local.device, local.dtype))
     return norm
+
+
+def _is_dp_split(g: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(g, DTensor) and any(is_split(pl) for pl in g.placements)

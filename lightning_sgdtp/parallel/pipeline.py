@@ -39,7 +39,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_sgdtp.comm import all_reduce_flat
 from lightning_sgdtp.faults import is_distributed_error
 from lightning_sgdtp.parallel.pipeline_split import PipelineSplit
+from lightning_sgdtp.parallel.sharding import stored_parameter
 from lightning_sgdtp.parallel.stage_boundaries import make_boundaries_contiguous, send_contiguous
+from lightning_sgdtp.parallel.tensor import local_shard
 
 #: ``pipeline_schedule`` values and torch's schedule classes.
 SCHEDULES = {
@@ -250,7 +252,7 @@ def _relink(stage_module: nn.Module, module: nn.Module) -> None:
     """Make the stage module hold the LightningModule's own parameters and buffers (the frontend copies tied
     ones), so the configured optimizer steps them and the two uses of a tied parameter are one tensor."""
     for name, param in list(stage_module.named_parameters(remove_duplicate=False)):
-        original = module.get_parameter(name)
+        original = stored_parameter(module, name)
         if param is not original:
             owner, _, leaf = name.rpartition(".")
             stage_module.get_submodule(owner)._parameters[leaf] = original
@@ -307,6 +309,7 @@ class PipelineRunner:
         group: the pipeline process group (this rank's stages talk to its neighbours in it).
         device: this rank's device.
         prepare: called on each new stage module before its first use (activation checkpointing, compile).
+        tracing: the context to trace the module in (with sharding: whole parameters in place of the shards).
     """
 
     def __init__(
@@ -320,6 +323,7 @@ class PipelineRunner:
         prepare: Callable[[nn.Module], None] | None = None,
         measure: bool = False,
         on_split: Callable[[PipelineSplit], None] | None = None,
+        tracing: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
         self.module = module
         self.split = split
@@ -330,6 +334,7 @@ class PipelineRunner:
         self.prepare = prepare
         self.measure = measure
         self.on_split = on_split
+        self.tracing = tracing
         #: Parameter and buffer names per stage, from the traced split (the same on every rank).
         self.names_per_stage: list[set[str]] = []
         self.pp_size = dist.get_world_size(group)
@@ -368,7 +373,7 @@ class PipelineRunner:
         built = self._built.get(key)
         if built is not None:
             return built
-        with _forwards_kept(self.module):
+        with _forwards_kept(self.module), self.tracing():
             try:
                 pipe = pipelining.pipeline(self.module, mb_args=mb_args, mb_kwargs=mb_kwargs or None,
                                            split_spec=self._split_spec())  # fmt: skip
@@ -418,10 +423,11 @@ class PipelineRunner:
 
         self.measure = False
         blocks = [b for stage in self.split.blocks_per_stage for b in stage]
-        costs = torch.tensor(
-            measure_block_costs(self.module, blocks, _first_chunk(args, chunks), _first_chunk(kwargs, chunks)),
-            dtype=torch.float64,
-        )
+        with self.tracing():
+            measured = measure_block_costs(
+                self.module, blocks, _first_chunk(args, chunks), _first_chunk(kwargs, chunks)
+            )
+        costs = torch.tensor(measured, dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(costs, op=dist.ReduceOp.MAX)
         # Milliseconds of forward per block (the plan's "cost"), the slowest rank's.
@@ -439,7 +445,8 @@ class PipelineRunner:
         state = self.module.state_dict(keep_vars=True)
         sent: set[str] = set()
         for stage, names in enumerate(self.names_per_stage):
-            tensors = [state[n].data for n in sorted(names - sent) if n in state]
+            # Sharded over dp: this rank's shards, to the pipeline group's ranks (the same data-parallel index).
+            tensors = [local_shard(state[n].data) for n in sorted(names - sent) if n in state]
             sent |= names
             if tensors:
                 src = stage % self.pp_size
@@ -477,7 +484,7 @@ class PipelineRunner:
         stages_of: dict[int, set[int]] = {}
         for stage, names in enumerate(names_per_stage):
             for name in names:
-                stages_of.setdefault(id(self.module.get_parameter(name)), set()).add(stage)
+                stages_of.setdefault(id(stored_parameter(self.module, name)), set()).add(stage)
         shared = {pid for pid, stages in stages_of.items() if len(stages) > 1}
         self.tied = [p for p in self.module.parameters() if id(p) in shared]
         #: How many ranks of the pipeline hold each parameter (1 but for tied ones): the norm counts it once.
@@ -569,7 +576,9 @@ class PipelineRunner:
         for p in self.tied:
             if id(p) in local and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        all_reduce_flat([p.grad if id(p) in local else torch.zeros_like(p) for p in self.tied], self.group)
+        # Sharded over dp: the pipeline group's ranks share a data-parallel index, so hold the same shard.
+        parts = [local_shard(p.grad) if id(p) in local else torch.zeros_like(local_shard(p)) for p in self.tied]
+        all_reduce_flat(parts, self.group)
 
 
 def _first_chunk(tree: Any, chunks: int) -> Any:

@@ -27,7 +27,9 @@ the same dimension, which is how FSDP2 + TP records it for checkpoints).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,8 @@ class ShardPlan:
 
     mode: str
     dp: int
+    #: hybrid sharding: the groups of ``dp`` ranks that each hold all shards (1: split over every dp rank)
+    replicas: int = 1
     #: parameter name -> the dimension split over ``dp``
     split: dict[str, int] = field(default_factory=dict)
     #: parameter name -> why it stays whole
@@ -72,7 +76,9 @@ class ShardPlan:
             whole = f"; {len(names)} kept whole (all-reduced): {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
         return [
             (
-                f"sharding={self.mode}: {len(self.split)} parameters split over {self.dp} data-parallel ranks{whole};"
+                f"sharding={self.mode}: {len(self.split)} parameters split over {self.dp} data-parallel ranks"
+                + (f" (in each of {self.replicas} groups that replicate them)" if self.replicas > 1 else "")
+                + f"{whole};"
                 f" parameters {how}; gradients reduce-scattered and the optimizer state split with them"
             ),
             (
@@ -86,6 +92,7 @@ class ShardPlan:
         return {
             "mode": self.mode,
             "dp": self.dp,
+            "replicas": self.replicas,
             "split": dict(self.split),
             "whole": dict(self.whole),
             "replicated": dict(self.replicated),
@@ -140,7 +147,11 @@ class ParameterRead:
         self.reduce = True
 
     def __call__(self, param: Tensor) -> Tensor:
+        from torch.distributed.tensor import DTensor
         from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        if not isinstance(param, DTensor):  # a whole stand-in (:func:`whole_for_tracing`): read as stored
+            return param
 
         policy = _recompute if self.mode == "full" else _keep
         context = functools.partial(create_selective_checkpoint_contexts, policy)
@@ -149,12 +160,16 @@ class ParameterRead:
     def _gather(self, param: Tensor) -> Tensor:
         from torch.distributed.tensor import DTensor, Partial, Replicate
 
-        grad = [Partial("avg")] if self.reduce else [Replicate()]
-        if param.device_mesh.ndim == 1:  # data parallel alone (or a pipeline stage's replicas)
+        if "tp" not in (param.device_mesh.mesh_dim_names or ()):
+            # data parallel alone, a pipeline stage's replicas, or hybrid sharding ("dp_replicate", "dp_shard"):
+            # the gradient is averaged over every dimension (reduce-scattered over the split one, all-reduced over
+            # the replicas)
+            ndim = param.device_mesh.ndim
             whole = param.redistribute(
-                placements=[Replicate()], forward_dtype=self.gather_dtype, backward_dtype=self.reduce_dtype
+                placements=[Replicate()] * ndim, forward_dtype=self.gather_dtype, backward_dtype=self.reduce_dtype
             )
-            return whole.to_local(grad_placements=grad)
+            return whole.to_local(grad_placements=[Partial("avg") if self.reduce else Replicate()] * ndim)
+        grad = [Partial("avg")] if self.reduce else [Replicate()]
         # ("dp", "tp"): gather over dp on this rank's tensor-parallel shard, then the tensor-parallel DTensor again
         tp_mesh = param.device_mesh["tp"]
         dp_placement = param.placements[0]
@@ -203,15 +218,18 @@ def shard_parameters(
     gather_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
 ) -> ShardPlan:
-    """Split every parameter of ``module`` over ``dp_mesh`` (1-D) in place; ``full_mesh`` is the ``("dp", "tp")``
-    mesh when some parameters are tensor-parallel DTensors. Parameter names (state dict keys) do not change."""
+    """Split every parameter of ``module`` over ``dp_mesh`` in place; ``full_mesh`` is the ``("dp", "tp")`` mesh
+    when some parameters are tensor-parallel DTensors. ``dp_mesh`` is 1-D, or ``("dp_replicate", "dp_shard")`` for
+    hybrid sharding (split over the last dimension, replicated over the first). Parameter names (state dict keys)
+    do not change."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if mode not in SHARDINGS[1:]:
         raise ValueError(f"sharding mode {mode!r}: one of {SHARDINGS[1:]}")
-    dp = dp_mesh.size()
-    plan = ShardPlan(mode=mode, dp=dp)
+    dp = dp_mesh.size(dp_mesh.ndim - 1)  # the ranks one parameter is split over
+    replicas = [Replicate()] * (dp_mesh.ndim - 1)  # hybrid sharding: the shards' copies
+    plan = ShardPlan(mode=mode, dp=dp, replicas=dp_mesh.size() // dp)
     read = ParameterRead(mode, dp_mesh, gather_dtype, reduce_dtype)
     module._sgdtp_read = read  # the negative control switches read.reduce off
     names = {id(p): n for n, p in module.named_parameters()}
@@ -258,16 +276,16 @@ def shard_parameters(
                     piece = local
                 elif tp_placement.is_shard() and tp_placement.dim == dim:
                     dp_placement = _StridedShard(dim, split_factor=p.device_mesh.size())
-                    piece = local.chunk(dp, dim)[dp_mesh.get_local_rank()].clone()
+                    piece = local.chunk(dp, dim)[dp_mesh.get_local_rank(dp_mesh.ndim - 1)].clone()
                 else:
                     dp_placement = Shard(dim)
-                    piece = local.chunk(dp, dim)[dp_mesh.get_local_rank()].clone()
+                    piece = local.chunk(dp, dim)[dp_mesh.get_local_rank(dp_mesh.ndim - 1)].clone()
                 value = DTensor.from_local(
                     piece.contiguous(), full_mesh, [dp_placement, tp_placement], run_check=False,
                     shape=p.shape, stride=p.stride(),
                 )  # fmt: skip
             else:
-                value = distribute_tensor(local, dp_mesh, [Shard(dim) if dim is not None else Replicate()])
+                value = distribute_tensor(local, dp_mesh, [*replicas, Shard(dim) if dim is not None else Replicate()])
                 value = DTensor.from_local(
                     value.to_local().clone(),
                     dp_mesh,
@@ -285,6 +303,52 @@ def shard_parameters(
         if attrs:
             _read_through(mod, attrs, read)
     return plan
+
+
+def stored_parameter(module: nn.Module, name: str) -> nn.Parameter:
+    """The parameter ``name`` as stored (not ``get_parameter``: a sharded module's attribute read gathers it)."""
+    owner, _, leaf = name.rpartition(".")
+    param = module.get_submodule(owner)._parameters.get(leaf)
+    if param is None:
+        raise AttributeError(f"{type(module).__name__} has no parameter {name!r}")
+    return param
+
+
+def share_reads(part: nn.Module, source: nn.Module) -> None:
+    """Give ``part`` (a pipeline stage's module, holding ``source``'s sharded parameters under the same names) the
+    same reads: its modules' ``weight`` etc. gather over dp, as ``source``'s do."""
+    read = source._sgdtp_read
+    owners: dict[str, list[str]] = {}
+    for name, p in part.named_parameters(remove_duplicate=False):
+        if getattr(p, MARK, False):
+            owner, _, leaf = name.rpartition(".")
+            owners.setdefault(owner, []).append(leaf)
+    for owner, attrs in owners.items():
+        _read_through(part.get_submodule(owner), attrs, read)
+    part._sgdtp_read = read
+
+
+@contextlib.contextmanager
+def whole_for_tracing(module: nn.Module) -> Iterator[None]:
+    """While tracing ``module`` with ``torch.export`` (the pipeline's split): each sharded parameter replaced by a
+    whole plain one with its values (an all-gather, once per traced shape); the shards are put back after.
+    Tied parameters stay one tensor, so the trace still sees them tied."""
+    from torch.distributed.tensor import DTensor
+
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    whole: dict[int, nn.Parameter] = {}
+    try:
+        for mod in module.modules():
+            for attr, p in list(mod._parameters.items()):
+                if isinstance(p, DTensor) and getattr(p, MARK, False):
+                    if id(p) not in whole:
+                        whole[id(p)] = nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad)
+                    swapped.append((mod, attr, p))
+                    mod._parameters[attr] = whole[id(p)]
+        yield
+    finally:
+        for mod, attr, p in swapped:
+            mod._parameters[attr] = p
 
 
 def _local(t: Tensor) -> Tensor:

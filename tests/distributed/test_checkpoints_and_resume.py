@@ -133,7 +133,11 @@ PP2 = {"pipeline_stages": 2, "pipeline_chunks": 4}
 PER_STAGE: dict[str, list[dict[str, Any]]] = {
     "resume_pp_to_pp": [PP2, {**PP2, "pipeline_split": ["model.blocks.1"]}],  # another split
     "resume_pp_to_dp": [PP2, {}],  # no pipeline
+    # 4 ranks: 2 pipelines, each stage split over its 2 replicas (DTensor shards) -> data parallel over 4 ranks,
+    # replicated: another layout and another data-parallel size (shards of 2 read as whole tensors on 4 ranks)
+    "resume_pp_sharded_to_dp4": [{**PP2, "sharding": "full"}, {}],
 }
+DEVICES = {"resume_pp_sharded_to_dp4": 4}
 
 
 @pytest.mark.parametrize("case", list(PER_STAGE))
@@ -142,12 +146,13 @@ def test_checkpoint_per_stage_resume_and_consolidate(case: str, tmp_path: Path) 
     pipeline), 3 more steps: as 6 uninterrupted steps of one process. The folder consolidates to one file."""
     from lightning_sgdtp import sharded_checkpoint as sharded
 
-    run_scenario("pp_parity.py", {"devices": 2, "phases": PER_STAGE[case], "trainer": {}}, tmp_path)
+    devices = DEVICES.get(case, 2)
+    run_scenario("pp_parity.py", {"devices": devices, "phases": PER_STAGE[case], "trainer": {}}, tmp_path)
     load = lambda n: torch.load(tmp_path / f"{n}.pt")
     rel = rel_update_diff(load("init"), load("ref"), load("sgdtp"))
     assert rel < REL_TOL["pipeline"], f"{case}: relative update difference {rel:.3g}"
     ckpt = Path(json.loads((tmp_path / "info.json").read_text())["ckpt"])
-    assert sharded.is_sharded(ckpt) and len(list(ckpt.glob("*.distcp"))) == 2  # one shard file per stage
+    assert sharded.is_sharded(ckpt) and len(list(ckpt.glob("*.distcp"))) == devices  # one shard file per rank
     merged = torch.load(sharded.consolidate(ckpt, tmp_path / "one.ckpt"), weights_only=False)
     saved = load("saved")
     assert merged["state_dict"].keys() >= saved.keys() - {"model.lm_head.weight"}

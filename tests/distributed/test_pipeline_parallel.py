@@ -77,6 +77,13 @@ CASES = {
         {**PP2, "pipeline_schedule": "1f1b"},
         {"gradient_clip_val": 0.3, **VAL},
     ),
+    "pp2_dp2_sharded_full": Case(
+        "pp=2 x dp=2 on 4 ranks, each stage sharded over its 2 replicas (sharding='full'), tied embedding and head on"
+        " two stages, clipping, validation",
+        4,
+        {**PP2, "pipeline_schedule": "1f1b", "sharding": "full"},
+        {"gradient_clip_val": 0.3, **VAL},
+    ),
     "options_dict_ckpt_measured": Case(
         "the design documents' options dict, measured balance, activation checkpointing",
         2,
@@ -193,6 +200,22 @@ def test_pipelines_with_data_parallel_sync_inside_each_stage(tmp_path_factory: p
     assert plan["grad_sync"].startswith("in-graph")
     # the data-parallel all-reduce is inside the compiled stage backward, over the dp group of 2
     assert plan["graphs"] and all(g["in_graph_sync"] and g["world_size"] == 2 for g in plan["graphs"])
+
+
+def test_sharded_stages_gather_and_reduce_scatter_inside_their_graphs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each stage split over its 2 replicas: every stage backward graph reduce-scatters (proved at compile time),
+    and each rank holds half the parameters + AdamW state it would hold replicated."""
+    r = result("pp2_dp2_sharded_full", tmp_path_factory)
+    sharding = r["info"]["plans"][0]["sharding"]
+    (part,) = sharding["parts"]
+    assert (part["mode"], part["dp"]) == ("full", 2) and part["split"], part
+    backward = [g for g in sharding["collectives_per_graph"] if "proved_reduced" in g]
+    assert backward and all(g["proved_reduced"] == g["sharded_gradients"] > 0 for g in backward), sharding
+    assert all(g["collectives_in_backward"].get("reduce_scatter_tensor") for g in backward), sharding
+    assert all(g["collectives_in_forward"].get("all_gather_into_tensor") for g in sharding["collectives_per_graph"])
+    held = sharding["held_bytes"]  # every rank shards the whole module (its copies of other stages too)
+    assert held["parameters"] <= part["param_bytes_before"] / 2 + part["largest_block_bytes"], (held, part)
+    assert held["optimizer_state"] <= part["param_bytes_before"] + part["largest_block_bytes"], (held, part)
 
 
 def test_negative_control_without_the_data_parallel_sync(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -51,6 +51,13 @@ CASES: dict[str, dict[str, Any]] = {
         "phases": [{"parallelism": "data", "sharding": "optimizer", "param_gather_dtype": "bf16"}],
         "trainer": {},
     },
+    # hybrid sharding: split inside each group of 2 ranks (a node's), replicated across the 2 groups; clipping
+    "data_gpt_hybrid_shard": {
+        "model": "small_gpt",
+        "devices": 4,
+        "phases": [{**DATA_FULL, "shard_size": 2}],
+        "trainer": {"gradient_clip_val": 0.3},
+    },
     # 2-D: tensor parallel over tp=2 inside each of 2 data-parallel replicas, each parameter a DTensor over (dp, tp)
     # (_StridedShard where both split the same dimension); clipping by the norm over both dimensions
     "hybrid_mha_full_clip": {
@@ -93,13 +100,18 @@ def test_sharded_training_matches_one_process(name: str, tmp_path_factory: pytes
     assert proved and all(g["proved_reduced"] == g["sharded_gradients"] > 0 for g in proved), sharding
     assert all(g["collectives_in_backward"].get("reduce_scatter_tensor") for g in proved), sharding
     assert all(g["collectives_in_forward"].get("all_gather_into_tensor") for g in proved), sharding
+    if "shard_size" in scenario["phases"][0]:  # split over 2, replicated twice: the replicas' all-reduce follows
+        assert (part["dp"], part["replicas"]) == (2, 2), part
+        assert all(g["collectives_in_backward"].get("all_reduce") for g in proved), sharding
     if part["mode"] == "optimizer":  # gathered once, kept for backward: no all-gather in any backward graph
         assert all("all_gather_into_tensor" not in g["collectives_in_backward"] for g in proved), sharding
     # the ledger syncs nothing sharded; what it still covers (not sharded) went through the gradient buckets
     assert plan["bytes_per_step"]["fallback"] == 0
 
 
-@pytest.mark.parametrize("name", ["data_gpt_full", "data_gpt_full_4_ranks", "hybrid_mha_full_clip"])
+@pytest.mark.parametrize(
+    "name", ["data_gpt_full", "data_gpt_full_4_ranks", "data_gpt_hybrid_shard", "hybrid_mha_full_clip"]
+)
 def test_each_rank_holds_its_share_of_the_bytes(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Parameters + gradients + AdamW state per rank <= 1/N of the unsharded bytes + one block's parameters."""
     r = result(name, tmp_path_factory, CASES[name])

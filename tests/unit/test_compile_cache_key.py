@@ -29,5 +29,6 @@ def test_key_fields_change_with_what_changes_the_compiled_graphs() -> None:
     assert _fields() == fields and cache_key(_fields()) == cache_key(fields), "the same inputs, the same key"
     assert set(fields["plan"]) == {*GRAPH_OPTIONS, "in_graph_sync"} and fields["layout"]["devices"] == 2
     assert _fields(bucket_cap_mb=1.0) != fields, "an option that changes the graphs changes the key"
+    assert _fields(sharding="full") != fields, "sharding puts all-gathers and reduce-scatters in the graphs"
     assert _fields(nn.Linear(4, 5)) != fields, "so do other parameter shapes"
     assert _fields(collective_timeout=60.0) == fields, "an option outside GRAPH_OPTIONS does not"

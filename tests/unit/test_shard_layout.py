@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import fx
 
-from lightning_sgdtp import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.compiler.shard_proof import UnreducedGradientError, check_sharded_gradients, reduced
 from lightning_sgdtp.parallel.sharding import shard_dim
 
@@ -67,8 +67,7 @@ def test_sharding_options_fail_at_construction_with_the_fix() -> None:
         SGDTPConfig(sharding="zero3")
     with pytest.raises(SGDTPConfigError, match="parallelism='tensor' has none"):
         SGDTPConfig(sharding="full", parallelism="tensor")
-    with pytest.raises(NotAvailableYetError, match="pipeline stages"):
-        SGDTPConfig(sharding="full", pipeline_stages=2)
+    assert SGDTPConfig(sharding="full", pipeline_stages=2).sharded  # each stage sharded over its replicas
     with pytest.raises(SGDTPConfigError, match="applies to sharded parameters"):
         SGDTPConfig(param_gather_dtype="bf16")
     assert SGDTPConfig(sharding="full", param_gather_dtype="bf16").gather_dtype is torch.bfloat16
@@ -81,3 +80,25 @@ def test_data_parallel_with_sharding_has_a_mesh_of_the_data_parallel_ranks() -> 
     layout = ParallelLayout.resolve(SGDTPConfig(sharding="full"), world_size=4, devices_per_node=4)
     assert layout.grid == [[0], [1], [2], [3]] and layout.mesh_dims == ("dp", "tp") and (layout.dp, layout.tp) == (4, 1)
     assert ParallelLayout.resolve(SGDTPConfig(), world_size=4, devices_per_node=4).grid is None  # replicated: no mesh
+
+
+def test_hybrid_sharding_splits_inside_a_node_and_replicates_across_nodes() -> None:
+    from lightning_sgdtp.config import NotAvailableYetError
+    from lightning_sgdtp.layout import ParallelLayout
+
+    node = SGDTPConfig(sharding="full", shard_size="node")
+    layout = ParallelLayout.resolve(node, world_size=8, devices_per_node=4, num_nodes=2)
+    assert (layout.dp, layout.shard) == (8, 4)
+    line = layout.describe(node)
+    assert "2 x 4" in line and "[[0, 1, 2, 3], [4, 5, 6, 7]]" in line and "one node each" in line, line
+    # one node: splitting inside it is splitting over every rank (no replicas, the 1-D layout)
+    assert ParallelLayout.resolve(node, world_size=4, devices_per_node=4).shard is None
+    assert ParallelLayout.resolve(SGDTPConfig(sharding="full", shard_size=2), 8, 8).shard == 2
+    with pytest.raises(SGDTPConfigError, match=r"shard_size=3 \(3 ranks\) does not divide the 8"):
+        ParallelLayout.resolve(SGDTPConfig(sharding="full", shard_size=3), 8, 8)
+    with pytest.raises(SGDTPConfigError, match="applies to sharded parameters"):
+        SGDTPConfig(shard_size="node")
+    with pytest.raises(SGDTPConfigError, match="positive int"):
+        SGDTPConfig(sharding="full", shard_size=0)
+    with pytest.raises(NotAvailableYetError, match="needs a 3-D mesh"):
+        SGDTPConfig(sharding="full", shard_size=2, parallelism="hybrid")

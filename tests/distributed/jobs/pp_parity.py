@@ -28,6 +28,7 @@ from helpers.models import pp_gpt, token_data
 from helpers.training import (
     FirstStepGrads,
     SaveAt,
+    full,
     gather_full,
     metrics,
     params,
@@ -53,7 +54,7 @@ def runner(strategy: SGDTPStrategy) -> Any:
 
 def local_state(strategy: SGDTPStrategy, module: L.LightningModule) -> dict[str, torch.Tensor]:
     """What this rank's stages hold of the module's state (all of it without a pipeline)."""
-    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    state = {k: full(v) for k, v in module.state_dict().items()}  # sharded stages: gathered over dp
     pipeline = runner(strategy)
     return pipeline.stage_state_dict(state) if pipeline is not None else state
 
@@ -99,7 +100,7 @@ def main(out: Path) -> None:
         logged.append(metrics(run))
         final = gather_full(local_state(strategy, model))
         # after fit the module is whole on every rank (the stages shared), as with data parallel
-        whole = all(torch.equal(v, final[k]) for k, v in model.state_dict().items())
+        whole = all(torch.equal(full(v), final[k]) for k, v in model.state_dict().items())
         if i == 0:
             step_grads = gather_full(first.grads or {})
         if i + 1 < len(phases):
