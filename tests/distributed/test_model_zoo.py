@@ -12,8 +12,9 @@ The representative cells of the support matrix; the whole matrix is ``python too
   (``use_cache``) and then the explicit causal mask under DTensor attention (model_settings.py, dtensor_ops.py);
 - ``resnet_data``: transformers ResNet with BatchNorm, against Lightning's DDP on the same ranks (batch statistics
   are per rank, as with DDP): parameters and the running statistics (buffers, rank 0's broadcast before each step);
-- ``llama_data_sharded`` / ``gpt2_hybrid_sharded``: ``sharding="full"`` (parameters as DTensors over dp, gathered by
-  their read inside the compiled graphs); GPT-2's Conv1D weights are split by dp inside their tensor-parallel shard;
+- ``llama_data_sharded`` / ``gpt2_hybrid_sharded`` / ``vit_pipeline_sharded``: ``sharding="full"`` (parameters as
+  DTensors over dp, gathered by their read inside the compiled graphs); GPT-2's Conv1D weights are split by dp inside
+  their tensor-parallel shard; ViT's stages are each split over their 2 replicas;
 - a BatchNorm model under pipeline parallelism is refused at setup, naming the layers, the reason and the fix.
 
 Tolerances, as in the parity tests of our own models (test_pipeline_parallel.py): fp32 over 4 AdamW steps
@@ -53,6 +54,8 @@ CELLS: dict[str, dict[str, Any]] = {
         "dp": 2,
         "sgdtp": {"parallelism": "hybrid", "tensor_parallel_size": 2, "sharding": "full"},
     },
+    # and with pipeline stages: 2 pipelines of 2 stages, each stage split over its 2 replicas
+    "vit_pipeline_sharded": {"model": "vit", "devices": 4, "dp": 2, "sgdtp": {**PP, "sharding": "full"}, "batch": 8},
 }
 _RESULTS: dict[str, dict] = {}
 
