@@ -13,8 +13,11 @@ AdamW; 2 gloo ranks, one thread each):
 - ``sgdtp(replicated)``: ``SGDTPStrategy()`` (no sharding), the baseline of what sharding costs.
 
 Each (variant, round) is one subprocess; rank 0 times every batch (``time.perf_counter`` around the batch, no
-barrier) and drops the warm-up steps; every rank reports its peak resident memory (``ru_maxrss``) and the bytes of
-parameters, gradients and optimizer state it holds (counted from the tensors). The driver shuffles the variant order
+barrier) and drops the warm-up steps; every rank reports its peak resident memory (``ru_maxrss``: the process, the
+compiler included), the bytes of parameters, gradients and optimizer state it holds (counted from the tensors), and
+its peak tensor memory in one more, untimed step: the bytes held when the step starts plus the highest point that the
+step's allocations minus frees reach (``torch.profiler`` with ``profile_memory``, op by op: on CPU what
+``torch.cuda.max_memory_allocated`` measures on a GPU). The driver shuffles the variant order
 per round (seeded), prints medians over rounds with ratios to ``fsdp2`` and, LAST, one JSON line with every figure.
 """
 
@@ -84,20 +87,43 @@ def _worker(variant: str, steps: int, warmup: int, out: Path) -> None:
         sharding = variant[len("sgdtp(") : -1]
         strategy = SGDTPStrategy(sharding="none" if sharding == "replicated" else sharding)
     g = torch.Generator().manual_seed(0)
-    n = 2 * BATCH * (steps + warmup)
+    n = 2 * BATCH * (steps + warmup + 1)  # + 1: the step profiled for its memory
     x = torch.randint(0, 256, (n, 128), generator=g)
     data = DataLoader(TensorDataset(x, torch.roll(x, -1, dims=1)), batch_size=BATCH, drop_last=True)
     times: list[float] = []
+    memory: dict[str, int] = {}
 
     class Timer(Callback):
-        def on_train_batch_start(self, *args: Any) -> None:
+        profiler: Any = None
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == steps + warmup:  # the last step: its memory, not its time
+                from torch.profiler import ProfilerActivity, profile
+
+                memory["at_start"] = held_bytes(module, list(trainer.optimizers))["total"]
+                self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+                self.profiler.__enter__()
             self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, *args: Any) -> None:
-            times.append(time.perf_counter() - self.t0)
+            if self.profiler is None:
+                times.append(time.perf_counter() - self.t0)
+                return
+            self.profiler.__exit__(None, None, None)
+            live = peak = 0
+            for event in sorted(self.profiler.events(), key=lambda e: e.time_range.start):
+                live += event.self_cpu_memory_usage
+                peak = max(peak, live)
+            memory["step_peak"] = peak
+            self.profiler = None
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps + warmup, callbacks=[Timer()], **QUIET_TRAINER
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps + warmup + 1,
+        callbacks=[Timer()],
+        **QUIET_TRAINER,
     )
     trainer.fit(model, data)
     held = held_bytes(model, [o for o in trainer.optimizers])
@@ -106,6 +132,7 @@ def _worker(variant: str, steps: int, warmup: int, out: Path) -> None:
         "step_ms": [1000 * t for t in times[warmup:]],
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "held_bytes": held,
+        "peak_tensor_bytes": memory["at_start"] + memory["step_peak"],
     }
     (out.parent / f"{out.stem}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
@@ -142,15 +169,28 @@ def main(args: argparse.Namespace) -> int:
                                  for run in runs[v])  # fmt: skip
         rss = max(rank["peak_rss_mib"] for run in runs[v] for rank in run)
         held = max(rank["held_bytes"]["total"] for run in runs[v] for rank in run)
-        rows.append({"variant": v, "step_ms": step, "peak_rss_mib": rss, "held_mib": held / 2**20})
+        tensors = max(rank["peak_tensor_bytes"] for run in runs[v] for rank in run)
+        rows.append(
+            {
+                "variant": v,
+                "step_ms": step,
+                "peak_rss_mib": rss,
+                "held_mib": held / 2**20,
+                "peak_tensor_mib": tensors / 2**20,
+            }
+        )
     base = next(r for r in rows if r["variant"] == "fsdp2")
-    print(f"{'variant':<20} {'step ms':>9} {'x fsdp2':>8} {'peak RSS MiB':>13} {'x fsdp2':>8} {'held MiB':>9}")
+    print(
+        f"{'variant':<20} {'step ms':>9} {'x fsdp2':>8} {'peak RSS MiB':>13} {'x fsdp2':>8} {'held MiB':>9}"
+        f" {'peak tensors MiB':>17} {'x fsdp2':>8}"
+    )
     for r in rows:
         r["step_ratio"] = r["step_ms"] / base["step_ms"]
         r["rss_ratio"] = r["peak_rss_mib"] / base["peak_rss_mib"]
+        r["tensor_ratio"] = r["peak_tensor_mib"] / base["peak_tensor_mib"]
         print(
             f"{r['variant']:<20} {r['step_ms']:>9.1f} {r['step_ratio']:>8.2f} {r['peak_rss_mib']:>13.0f}"
-            f" {r['rss_ratio']:>8.2f} {r['held_mib']:>9.2f}"
+            f" {r['rss_ratio']:>8.2f} {r['held_mib']:>9.2f} {r['peak_tensor_mib']:>17.2f} {r['tensor_ratio']:>8.2f}"
         )
     meta = {"torch": version("torch"), "lightning": version("lightning"), "commit": git_commit(), "rounds": args.rounds}
     print(json.dumps({"benchmark": "fsdp_throughput", **meta, "rows": rows}))
