@@ -44,11 +44,14 @@ CASES: dict[str, dict[str, Any]] = {
         "phases": [DATA_FULL],
         "trainer": {"accumulate_grad_batches": 2},
     },
-    # parameters all-gathered in bfloat16: the forward and backward compute with bf16-rounded weights
+    # parameters all-gathered and gradients reduce-scattered in bfloat16: the forward and backward compute with
+    # bf16-rounded weights, the gradients travel rounded
     "data_gpt_bf16_gather": {
         "model": "small_gpt",
         "devices": 2,
-        "phases": [{"parallelism": "data", "sharding": "optimizer", "param_gather_dtype": "bf16"}],
+        "phases": [
+            {"parallelism": "data", "sharding": "optimizer", "param_gather_dtype": "bf16", "grad_comm_dtype": "bf16"}
+        ],
         "trainer": {},
     },
     # hybrid sharding: split inside each group of 2 ranks (a node's), replicated across the 2 groups; clipping
