@@ -7,7 +7,9 @@ parameters torch's foreach path), 6 steps (4 for the zoo). Measured here (fp32, 
 - first-step gradients (full tensors gathered from the shards) against the reference: 4e-7 relative; a gradient
   not reduced (each rank its own half-batch gradient) is off by ~0.3-1;
 - ``rel`` (the update over the run against the reference's): 4.7e-5 (GPT, full), 7e-5 (GPT, optimizer + clipping);
-  5e-4 (hybrid dp=2 x tp=2, MultiheadAttention model, clipping); 2.4e-5 (accumulating 2 micro-batches); the negative control (no reduction) measures > 0.2.
+  5e-4 (hybrid dp=2 x tp=2, MultiheadAttention model, clipping); 2.4e-5 (accumulating 2 micro-batches); 1.4e-5
+  (hybrid sharding 2 x 2, clipping); 0.061 with bf16 all-gathers and bf16 reduce-scatters (bf16 tolerances); the
+  negative control (no reduction) measures > 0.2.
   Tolerance 1e-2, as the tensor-parallel parity tests.
 
 Memory is asserted from byte counts taken from the tensors themselves (``held_bytes``: the storages of the
