@@ -21,7 +21,6 @@ from lightning_sgdtp.parallel.tensor import local_shard
 
 def global_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
     """The ``norm_type``-norm of all gradients of ``parameters`` as if none were split. Same on every rank."""
-    from torch.distributed.tensor import DTensor
 
     norm_type = float(norm_type)
     is_inf = math.isinf(norm_type)
@@ -36,7 +35,7 @@ def global_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Te
         part = local.abs().max() if is_inf else local.abs().pow(norm_type).sum()
         if local.numel() == 0:
             part = torch.zeros((), dtype=torch.float32)
-        if isinstance(g, DTensor) and any(is_split(pl) for pl in g.placements):
+        if _is_split_grad(g):
             # Split over some mesh dimensions (sharded over dp, tensor parallel over tp, or both): the parts are
             # summed over each of those dimensions' groups; a replicated dimension holds copies and is not summed.
             mesh = g.device_mesh
@@ -87,7 +86,7 @@ def clip_pipeline_grad_norm_(
         g = local_shard(p.grad).detach().float()
         part = (g.abs().max() if is_inf else g.abs().pow(norm_type).sum()).double().cpu() if g.numel() else 0.0
         part = part / (1 if is_inf else (holders or {}).get(id(p), 1))
-        if _is_dp_split(p.grad):  # sharded over the stage's replicas (sharding=...): the shards add up
+        if _is_split_grad(p.grad):  # sharded over the stage's replicas (sharding=...): the shards add up
             dp_group = p.grad.device_mesh.get_group(0)
             split = torch.maximum(split, torch.as_tensor(part)) if is_inf else split + part
         else:
@@ -104,7 +103,8 @@ def clip_pipeline_grad_norm_(
     return norm
 
 
-def _is_dp_split(g: Tensor) -> bool:
+def _is_split_grad(g: Tensor) -> bool:
+    """A DTensor gradient split over some mesh dimension (its parts add up over that dimension's group)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(g, DTensor) and any(is_split(pl) for pl in g.placements)
