@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sgdtp._fs import fsync_path, write_atomically
+from lightning_sgdtp.compiler.artifacts import PLUGIN_FINGERPRINT
 from lightning_sgdtp.compiler.backend import PASS_VERSION
 from lightning_sgdtp.config import SGDTPConfig
 from lightning_sgdtp.trust import ArtifactVerificationError, verify_dir
@@ -79,9 +80,9 @@ def key_fields(
     tensor_parallel_plan: dict | None,
 ) -> dict[str, Any]:
     """What makes compiled artifacts valid, as plain data (:func:`cache_key` hashes it): the bucket pass's
-    version, torch, Python, platform, device kind, the parallel layout, the process-group backend and names, the
-    options in ``GRAPH_OPTIONS``, and the module's code and parameter shapes. The field names and values are
-    those of the bundles already written (their keys stay valid): ``"plan"`` holds the graph options."""
+    version and the plugin's source hash, torch, Python, platform, device kind, the parallel layout, the
+    process-group backend and names, the options in ``GRAPH_OPTIONS``, and the module's code and parameter shapes.
+    The field names are those of the bundles already written: ``"plan"`` holds the graph options."""
     cls = type(module)
     try:
         source = Path(inspect.getsourcefile(cls) or "").read_bytes()
@@ -89,7 +90,8 @@ def key_fields(
         source = b""
     options = config.to_dict()
     return {
-        "sgdtp": PASS_VERSION,
+        # The bucket pass's version and a hash of the plugin's whole source: a bundle of another build never loads.
+        "sgdtp": f"{PASS_VERSION}+{PLUGIN_FINGERPRINT}",
         "torch": torch.__version__,
         "python": sys.implementation.cache_tag,
         "platform": sysconfig.get_platform(),

@@ -45,6 +45,7 @@ from typing_extensions import override
 
 from lightning_sgdtp import checkpoints, comm, model_settings, rendezvous
 from lightning_sgdtp.checkpoints import ShardedCheckpoints
+from lightning_sgdtp.compiler.artifacts import check_cache_folders
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError, check_process_group_backend, check_trainer_plugins
 from lightning_sgdtp.engine.base import EngineInputs, StepEngine
 from lightning_sgdtp.engine.compiled import CompiledStep
@@ -314,6 +315,8 @@ class SGDTPStrategy(ParallelStrategy):
                 grace=config.shutdown_grace, ignore=(self._preemption.signum,) if self._preemption else (),
             )  # fmt: skip
             self._watchdog.install()
+        # Before any compile: a cache folder that cannot be written fails here, named, on the rank that sees it.
+        check_cache_folders(config.compile_cache)
         if self._layout is None:  # sizes, the rank grid (topology), the device mesh: one line each
             args = (config, self.world_size, self.num_processes, self.num_nodes, device.type)
             self._layout, lines = ParallelLayout.for_cluster(*args)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from lightning_sgdtp.compiler.artifacts import PLUGIN_FINGERPRINT, install_atomic_builds
 from lightning_sgdtp.compiler.bucket_cost import CostModel
 from lightning_sgdtp.compiler.buckets import GraphBuckets, insert_bucketed_allreduce
 from lightning_sgdtp.compiler.shard_proof import check_sharded_gradients, count_collectives
@@ -157,9 +158,16 @@ class SGDTPCompiler:
             self.graph_param_ids.update(id(v) for v in params.values())
         cfg = self.config
         wire_dtype = cfg.wire_dtype
-        sizing = self.cost.key() if self.cost is not None else cfg.bucket_cap_bytes
+        # The key holds what changes the graphs, never a raw measurement: with a measured plan ("auto") the bucket
+        # boundaries it chose are added to the backward's salt once the pass has run (`bucket_salt`), so two jobs
+        # whose timings differ a little but plan the same buckets share every compiled graph.
+        sizing = "measured" if self.cost is not None else cfg.bucket_cap_bytes
         sharded = bool(shard_outputs)
-        salt = f"{PASS_VERSION}:{sync}:{group_name}:{world_size}:{sizing}:{wire_dtype}:{cfg.overlap}:{sharded}"
+        salt = (
+            f"{PASS_VERSION}:{PLUGIN_FINGERPRINT}:{sync}:{group_name}:{world_size}:{sizing}:{wire_dtype}:{cfg.overlap}"
+            f":{sharded}"
+        )
+        install_atomic_builds()
         shard_patches = _shard_patches(cfg.bucket_cap_bytes) if sharded else {}
 
         def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
@@ -225,7 +233,7 @@ class SGDTPCompiler:
             }
             with (
                 self.compile_lock(),  # the backward is compiled lazily, at the first backward: lock here too
-                _salted(salt),
+                _salted(f"{salt}:{bucket_salt(decided)}"),
                 torch._inductor.config.patch(OURS_ALONE) if sync else contextlib.nullcontext(),
                 torch._inductor.config.patch(overlap) if sync and cfg.overlap else contextlib.nullcontext(),
                 torch._inductor.config.patch(shard_patches),
@@ -235,6 +243,11 @@ class SGDTPCompiler:
         aot_cache = torch._functorch.config.patch(enable_autograd_cache=self.aot_cache)
         with self.compile_lock(), _salted(salt), aot_cache:
             return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.inductor_patches)
+
+
+def bucket_salt(decided: GraphBuckets) -> str:
+    """The bucket boundaries of a backward graph, as they enter its cache key (the parameters of each bucket)."""
+    return "|".join(",".join(b.params) for b in decided.buckets)
 
 
 def _cap_mib(cap: float, bucket_id: int) -> float:

@@ -7,6 +7,7 @@ the preemption agreement), never the strategy; the strategy calls only the metho
 from __future__ import annotations
 
 import contextlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,6 +77,9 @@ class StepEngine(ABC):
         self._step_number = -1
         #: With sharding: bytes this rank holds after the first optimizer step (parameters, gradients, state).
         self.held: dict[str, int] | None = None
+        #: Seconds of the first optimizer step (its compiles included: what a warm compile cache shortens).
+        self.first_step_s: float | None = None
+        self._first_step_began: float | None = None
 
     # ------------------------------------------------------------------------------------------ setup
     @abstractmethod
@@ -120,6 +124,7 @@ class StepEngine(ABC):
             " on_before_optimizer_step, gradient clipping) and self.log / torchmetrics: user code that must see the"
             " averaged gradients, run as written",
             "timeline": self.timeline.describe() if self.timeline is not None else None,
+            "first_step_s": self.first_step_s,
         }
 
     def plan_token(self) -> tuple:
@@ -144,6 +149,8 @@ class StepEngine(ABC):
     def begin_step(self, step: int) -> None:
         """Optimizer step ``step`` begins (at its optimizer call, or at its first ``training_step``; idempotent)."""
         self._step_number = step
+        if self._first_step_began is None:
+            self._first_step_began = time.perf_counter()
         if self.timeline is not None:
             self.timeline.step_begins(step)
 
@@ -166,6 +173,9 @@ class StepEngine(ABC):
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer, rank: int) -> None:
         """The coverage proof of the step (and what else an engine publishes after it)."""
+        if self.first_step_s is None and self._first_step_began is not None:
+            self.first_step_s = round(time.perf_counter() - self._first_step_began, 3)
+            self.report.say(f"first optimizer step: {self.first_step_s:.1f} s, compiling included")
         if self.grad_sync is not None:
             with label("sgdtp: coverage"):
                 self.grad_sync.at_optimizer_step(optimizer)

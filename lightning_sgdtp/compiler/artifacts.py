@@ -1,0 +1,158 @@
+"""What the compiled artifacts depend on, and how they are written: safe to share between jobs, safe to kill.
+
+Two faults hit users through Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, or ``compile_cache``):
+
+- **Graphs of another plugin version.** Our bucket pass changes the graphs Inductor caches; a cache entry made by
+  an older copy of the plugin must never be reused by a newer one (a pipeline run once failed with "Output
+  gradient: None" after an upgrade). :data:`PLUGIN_FINGERPRINT` hashes every source file of the installed package,
+  so any edit (not only a new version string) changes the compile caches' keys.
+- **A build killed mid-write.** Inductor's C++ builder writes each ``.so`` (and ``.o``) in place, and skips the
+  build when the file exists: a SIGKILL during the build (a timeout, ``scancel``, preemption) left a truncated file
+  that every later job loaded and failed on ("file too short"). :func:`install_atomic_builds` makes Inductor's
+  ``CppBuilder.build`` write under a staging name and rename the whole file into place, and its build step
+  (``codecache._worker_compile_cpp``, under Inductor's own file lock) remove and rebuild a target it finds
+  truncated: one left by an older version or another tool.
+
+Written by hand, not taken from a library: torch has no switch for either (its ``write_atomic`` covers the Python
+and graph files, not the compiler's output), and the fix is a few lines around Inductor's own build call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def source_fingerprint(package: Path = PACKAGE) -> str:
+    """SHA256 (16 hex digits) of every ``.py`` and ``.json`` file of ``package``, with their relative paths."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".json") and p.is_file()):
+        if "__pycache__" in path.parts:
+            continue
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+#: The installed plugin's source, hashed once per process (~100 files, a few ms): part of every compile-cache key.
+PLUGIN_FINGERPRINT = source_fingerprint()
+
+
+# --------------------------------------------------------------------------------------------- atomic builds
+def is_complete(path: str | os.PathLike) -> bool:
+    """Is this compiler output whole? An ELF file (``.so``, ``.o``) holds its section header table at the end: a
+    file shorter than where that table ends was cut off mid-write. Other files: whole when not empty."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        return False
+    if size == 0:
+        return False
+    if head[:4] != b"\x7fELF":
+        return not b"\x7fELF".startswith(head)  # (a file cut inside the ELF magic is an ELF cut short)
+    if len(head) < (64 if head[4:5] == b"\x02" else 52):
+        return False
+    order = "<" if head[5] == 1 else ">"
+    if head[4] == 2:  # 64-bit
+        (shoff,) = struct.unpack_from(order + "Q", head, 0x28)
+        shentsize, shnum = struct.unpack_from(order + "HH", head, 0x3A)
+    else:
+        (shoff,) = struct.unpack_from(order + "I", head, 0x20)
+        shentsize, shnum = struct.unpack_from(order + "HH", head, 0x2E)
+    return size >= shoff + shentsize * shnum
+
+
+def staged_build(builder: Any) -> None:
+    """``CppBuilder.build`` with the output written under a staging name in the same folder, then renamed into
+    place: whatever Inductor builds (kernels, their objects, its ISA probe) exists under its name only whole."""
+    from torch._inductor import cpp_builder
+
+    target = builder.get_target_file_path()
+    command = builder.get_command_line()
+    staging = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.building-{os.getpid()}")
+    staged = command.replace(f"-o {target}", f"-o {staging}")
+    if staged == command or getattr(builder, "_use_relative_path", False):
+        return _INDUCTOR_BUILD(builder)  # a command line we do not recognise: Inductor's own build
+    # The folders of Inductor's own build, then its compile command with the staging name as the output.
+    cpp_builder._create_if_dir_not_exist(builder._output_dir)
+    tmp_dir = os.path.join(builder._output_dir, f"{builder._name}_{cpp_builder._BUILD_TEMP_DIR}")
+    cpp_builder._create_if_dir_not_exist(tmp_dir)
+    try:
+        cpp_builder.run_compile_cmd(staged, cwd=tmp_dir)
+        os.replace(staging, target)
+    finally:
+        if os.path.exists(staging):
+            os.remove(staging)
+        cpp_builder._remove_dir(tmp_dir)
+
+
+def build_atomically(lock_path: str, cpp_builders: Sequence[Any]) -> None:
+    """Inductor's ``_worker_compile_cpp`` (same lock, same skip of a target that exists), except that a truncated
+    target, left by a build killed before this fix, is removed and built again."""
+    from torch._inductor.codecache import LOCK_TIMEOUT
+    from torch.utils._filelock import FileLock
+
+    with FileLock(lock_path, timeout=LOCK_TIMEOUT):
+        for builder in cpp_builders:
+            target = builder.get_target_file_path()
+            if os.path.exists(target) and not is_complete(target):
+                os.remove(target)
+            if not os.path.exists(target):
+                builder.build()
+
+
+_INDUCTOR_BUILD: Any = None
+
+
+def install_atomic_builds() -> None:
+    """Route Inductor's C++ builds through :func:`staged_build` and :func:`build_atomically` (idempotent; this
+    process: Inductor builds CPU kernels on threads of the compiling process)."""
+    global _INDUCTOR_BUILD
+    from torch._inductor import codecache, cpp_builder
+
+    if _INDUCTOR_BUILD is None:
+        _INDUCTOR_BUILD = cpp_builder.CppBuilder.build
+        cpp_builder.CppBuilder.build = staged_build
+    codecache._worker_compile_cpp = build_atomically
+
+
+# ------------------------------------------------------------------------------------------- cache folders
+class CacheFolderError(OSError):
+    """A folder the compiled artifacts go to cannot be written: raised at setup, before any training."""
+
+
+def check_cache_folders(compile_cache: str | os.PathLike | None) -> list[Path]:
+    """Create and write a probe file in every folder this job's compiles write to: Inductor's cache
+    (``TORCHINDUCTOR_CACHE_DIR``, else its default under the temporary folder) and, with ``compile_cache``, that
+    folder. Returns the folders; raises :class:`CacheFolderError` naming the folder and the fix."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    inductor_fix = (
+        "Point TORCHINDUCTOR_CACHE_DIR at a writable local folder (export TORCHINDUCTOR_CACHE_DIR=/tmp/$USER-inductor)"
+    )
+    folders = [
+        (Path(env or default_cache_dir()), "TORCHINDUCTOR_CACHE_DIR" if env else "Inductor's default", inductor_fix)
+    ]
+    if compile_cache is not None:
+        fix = "Pass SGDTPStrategy(compile_cache=...) a folder every node can write (a shared file system), or drop it"
+        folders.append((Path(compile_cache), "compile_cache", fix))
+    for folder, what, fix in folders:
+        probe = folder / f".sgdtp-write-probe-{os.getpid()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise CacheFolderError(
+                f"the compile cache folder {folder} ({what}) cannot be written ({err.strerror or err}); compiled"
+                f" graphs are written there before the first step. {fix}."
+            ) from err
+    return [folder for folder, _, _ in folders]
