@@ -9,10 +9,15 @@
 
 Every test outside tests/unit starts processes and is marked ``distributed`` here, so ``pytest -m "not
 distributed"`` is the fast loop (the unit tests alone) and ``pytest`` runs everything.
+
+Each test session compiles into its own Inductor cache, ``TORCHINDUCTOR_CACHE_DIR`` under the session's temporary
+folder (one for both xdist workers of a run; every job inherits it): a run starts cold, as on a fresh CI machine,
+never reads what an earlier run or another checkout left, and jobs of the same model and options share graphs.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import helpers  # noqa: F401  (puts examples/ on sys.path: the example GPT is `import gpt`)
@@ -26,3 +31,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if UNIT not in item.path.resolve().parents:
             item.add_marker(pytest.mark.distributed)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This run's own Inductor cache folder (shared by its xdist workers: their basetemps have one parent)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "inductor-cache"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return folder

@@ -124,6 +124,14 @@ def install_atomic_builds() -> None:
 
 
 # ------------------------------------------------------------------------------------------- cache folders
+def cost_model_folder() -> Path:
+    """Where the measured cost models are recorded for later jobs (``bucket_cost.measure_once``): beside the
+    compiled graphs whose bucket boundaries they decide, in Inductor's cache folder."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "sgdtp-cost-models"
+
+
 class CacheFolderError(OSError):
     """A folder the compiled artifacts go to cannot be written: raised at setup, before any training."""
 

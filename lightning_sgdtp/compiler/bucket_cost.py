@@ -20,10 +20,12 @@ What the model leaves out: on CPU, gloo's all-reduce takes CPU time from the com
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,6 +102,42 @@ def measure(group: dist.ProcessGroup | None, device: torch.device, reps: int = 5
     dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
     latency, per_byte, s_per_flop, s_per_mem = figures.tolist()
     return CostModel(latency, per_byte, 1 / s_per_flop, 1 / s_per_mem)
+
+
+def measure_once(
+    group: dist.ProcessGroup | None, device: torch.device, folder: Path, key: str
+) -> tuple[CostModel, Path | None]:
+    """The cost model of ``key`` (the layout and the machine), measured by the first job and reused by the later
+    ones that share the cache folder (a collective over ``group``).
+
+    The measured figures vary from job to job (by 2x on a loaded CPU), and with them the bucket boundaries and so
+    the compiled backward graphs: a later job that measured again would compile its graphs again. The group's
+    first rank reads ``folder/KEY.json`` and broadcasts it (every rank plans from the same figures); without one,
+    the group measures and the first rank records it, atomically. Returns the model and the file it came from
+    (None: measured now). Delete the file, or change the cache folder, to measure again."""
+    from lightning_sgdtp._fs import write_atomically
+
+    path = folder / f"{key}.json"
+    first = dist.get_rank(group) == 0
+    figures = torch.zeros(5, dtype=torch.float64, device=device)
+    if first:
+        try:
+            data = json.loads(path.read_text())
+            figures.copy_(torch.tensor([1.0] + [float(data[f.name]) for f in fields(CostModel)], dtype=torch.float64))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not recorded yet (or unreadable): measure
+    dist.broadcast(figures, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if figures[0].item() == 1.0:
+        return CostModel(*figures[1:].tolist()), path
+    model = measure(group, device)
+    if first:
+        text = json.dumps(asdict(model) | {"key": key}, indent=1).encode()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, lambda f: f.write(text))
+        except OSError:
+            pass  # a cache folder we cannot write was refused at setup already; never fail a step for this
+    return model, None
 
 
 # ----------------------------------------------------------------------------------------------- backward

@@ -125,6 +125,7 @@ class StepEngine(ABC):
             " averaged gradients, run as written",
             "timeline": self.timeline.describe() if self.timeline is not None else None,
             "first_step_s": self.first_step_s,
+            "graph_cache": graph_cache_counts(),
         }
 
     def plan_token(self) -> tuple:
@@ -175,7 +176,11 @@ class StepEngine(ABC):
         """The coverage proof of the step (and what else an engine publishes after it)."""
         if self.first_step_s is None and self._first_step_began is not None:
             self.first_step_s = round(time.perf_counter() - self._first_step_began, 3)
-            self.report.say(f"first optimizer step: {self.first_step_s:.1f} s, compiling included")
+            cache = graph_cache_counts()
+            self.report.say(
+                f"first optimizer step: {self.first_step_s:.1f} s, compiling included ({cache['hits']} graph(s) from"
+                f" Inductor's cache, {cache['misses']} compiled)"
+            )
         if self.grad_sync is not None:
             with label("sgdtp: coverage"):
                 self.grad_sync.at_optimizer_step(optimizer)
@@ -222,3 +227,10 @@ class StepEngine(ABC):
         self.updates.restore()
         if self.timeline is not None:
             self.timeline.close()
+
+
+def graph_cache_counts() -> dict[str, int]:
+    """This process's Inductor FX-graph cache hits and misses so far (a warm start compiles nothing)."""
+    from torch._dynamo.utils import counters
+
+    return {"hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"]}

@@ -16,6 +16,7 @@ all-reduces into its backward graph, and Lightning's backward call runs through 
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from torch.distributed.utils import _sync_params_and_buffers
 
 from lightning_sgdtp import compile_cache
 from lightning_sgdtp.compiler import bucket_cost
+from lightning_sgdtp.compiler.artifacts import cost_model_folder
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
 from lightning_sgdtp.compiler.bucket_cost import CostModel
 from lightning_sgdtp.config import SGDTPConfigError
@@ -136,8 +138,9 @@ class CompiledStep(StepEngine):
                 self.accumulating_compiler.in_graph_sync = False
                 self.accumulating_compiler.prove_shards = self.compiler.prove_shards
             self.report.count_breaks_from_now()
-            # A measured plan differs from job to job (its figures are part of the graphs' cache key): with the
-            # compile cache, whose point is that later jobs reuse the graphs, buckets are capped at 25 MiB instead.
+            # A measured plan's boundaries are part of the graphs' cache key, and its figures are recorded in the
+            # node's Inductor cache folder: with the compile cache, whose bundles later jobs on other nodes reuse,
+            # buckets are capped at 25 MiB instead, the same on every node.
             measured = config.measured_buckets and config.compile_cache is None
             if measured and self.layout.dp > 1 and self.grad_sync.enabled:
                 self.compiler.cost = self._cost_model()
@@ -148,13 +151,16 @@ class CompiledStep(StepEngine):
     def _cost_model(self) -> CostModel:
         """The link and the device measured once per engine (a collective over the data-parallel group)."""
         if self._cost is None:
+            layout, backend = self.layout, self.inputs.process_group_backend
+            key = f"{backend}-{self.device.type}-{layout.world_size}r-{layout.num_nodes}n-dp{layout.dp}-{socket.gethostname()}"
             with self.guard("measuring the link"):
-                self._cost = bucket_cost.measure(self.dp_group, self.device)
+                self._cost, recorded = bucket_cost.measure_once(self.dp_group, self.device, cost_model_folder(), key)
             c = self._cost.describe()
             self.report.say(
-                f"measured: all-reduce {c['all_reduce_latency_us']} us + {c['all_reduce_bandwidth_GBps']} GB/s on the"
-                f" data-parallel group, compute {c['compute_GFLOPs']} GFLOP/s, memory {c['memory_GBps']} GB/s"
-                " (slowest rank); bucket boundaries chosen per backward graph from these"
+                f"{'measured' if recorded is None else f'measured by an earlier job ({recorded})'}: all-reduce"
+                f" {c['all_reduce_latency_us']} us + {c['all_reduce_bandwidth_GBps']} GB/s on the data-parallel"
+                f" group, compute {c['compute_GFLOPs']} GFLOP/s, memory {c['memory_GBps']} GB/s (slowest rank); bucket"
+                " boundaries chosen per backward graph from these"
             )
         return self._cost
 
