@@ -8,7 +8,8 @@
     tests/data/         recorded environments and topologies
 
 Every test outside tests/unit starts processes and is marked ``distributed`` here, so ``pytest -m "not
-distributed"`` is the fast loop (the unit tests alone) and ``pytest`` runs everything.
+distributed"`` is the fast loop (the unit tests alone) and ``pytest`` runs the default tier: everything but the
+tests marked ``slow``, which ``pytest -m slow`` runs (the budget and the rule: tests/README.md).
 
 Each test session compiles into its own Inductor cache, ``TORCHINDUCTOR_CACHE_DIR`` under the session's temporary
 folder (one for both xdist workers of a run; every job inherits it): a run starts cold, as on a fresh CI machine,
@@ -31,6 +32,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if UNIT not in item.path.resolve().parents:
             item.add_marker(pytest.mark.distributed)
+    if config.option.markexpr:  # `-m slow`, `-m "not distributed"`, ...: the expression decides
+        return
+    # The default run (`python -m pytest -q`, CI) leaves the slow tier out: tests/README.md lists each slow test
+    # with the default test that covers the same feature.
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 @pytest.fixture(scope="session", autouse=True)

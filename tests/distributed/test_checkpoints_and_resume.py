@@ -22,7 +22,18 @@ import pytest
 import torch
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
-from helpers.launch import JOBS, REPO, job_env, max_abs_diff, parity_result, rel_update_diff, run, run_job, run_scenario
+from helpers.launch import (
+    JOBS,
+    REPO,
+    job_env,
+    max_abs_diff,
+    parity_result,
+    rel_update_diff,
+    run,
+    run_job,
+    run_scenario,
+    tiered,
+)
 
 from lightning_sgdtp.trust import MANIFEST
 
@@ -30,7 +41,8 @@ REL_TOL = {"tensor": 1e-2, "pipeline": 1e-3}  # fp32, as in test_tensor_parallel
 
 
 # ------------------------------------------------------------------------------------------- data parallel
-@pytest.mark.parametrize("sharding", ["none", "full"])
+# Replicated resume stays in the default run through the killed-job tests below (bitwise, one checkpoint file).
+@pytest.mark.parametrize("sharding", tiered(["none", "full"], slow={"none"}))
 def test_resume_ends_with_exactly_the_uninterrupted_parameters(sharding: str, tmp_path: Path) -> None:
     """Three jobs as on a cluster: 2 epochs straight; 1 epoch + checkpoint; a new job resumed from it. Replicated
     (one checkpoint file) and sharded (a DCP folder of each rank's shards and optimizer state).
@@ -81,6 +93,15 @@ ON_ANOTHER_MESH: dict[str, list[dict[str, Any]]] = {
     "resume_tp_to_sharded": [{"parallelism": "tensor"}, {"parallelism": "data", "sharding": "full"}],
 }
 _TP: dict[str, dict] = {}
+#: Default run: tensor -> data (the sharded folder and `sgdtp consolidate` read it). The other directions go through
+#: the same DCP resharding by parameter name.
+SLOW_MESH = {
+    "resume_tp_to_tp",
+    "resume_dp_to_tp",
+    "resume_sharded_to_dp",
+    "resume_dp_to_sharded",
+    "resume_tp_to_sharded",
+}
 
 
 def tp_result(name: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
@@ -88,7 +109,7 @@ def tp_result(name: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return parity_result(_TP, "tp_parity.py", name, scenario, tmp_path_factory.mktemp(name))
 
 
-@pytest.mark.parametrize("case", list(ON_ANOTHER_MESH))
+@pytest.mark.parametrize("case", tiered(list(ON_ANOTHER_MESH), SLOW_MESH))
 def test_resume_on_another_mesh(case: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """3 steps on one layout, a checkpoint, 3 more on the other: equal to 6 uninterrupted steps in one process."""
     r = tp_result(case, tmp_path_factory)
@@ -138,9 +159,11 @@ PER_STAGE: dict[str, list[dict[str, Any]]] = {
     "resume_pp_sharded_to_dp4": [{**PP2, "sharding": "full"}, {}],
 }
 DEVICES = {"resume_pp_sharded_to_dp4": 4}
+#: Default run: pipeline -> no pipeline (one shard file per stage, resharded into a whole module).
+SLOW_STAGE = {"resume_pp_to_pp", "resume_pp_sharded_to_dp4"}
 
 
-@pytest.mark.parametrize("case", list(PER_STAGE))
+@pytest.mark.parametrize("case", tiered(list(PER_STAGE), SLOW_STAGE))
 def test_checkpoint_per_stage_resume_and_consolidate(case: str, tmp_path: Path) -> None:
     """3 steps, a sharded checkpoint (each rank its stage), resumed in a fresh module (another split, or no
     pipeline), 3 more steps: as 6 uninterrupted steps of one process. The folder consolidates to one file."""

@@ -39,6 +39,7 @@ from helpers.launch import (
     rel_update_diff,
     run_job,
     start,
+    tiered,
 )
 
 LR = 1e-2
@@ -62,10 +63,11 @@ class Case:
 
 CASES = {
     "breaks": Case("graph breaks (self.log, explicit), an eager region, tied and unused parameters"),
+    # One job for what the same GPT graphs show (each was a job of its own): against ddp without checkpointing.
     "gpt": Case(
-        "a small GPT (tied head), several buckets; a timeline of steps 3..4",
+        "a small GPT (tied head), several buckets, activation_checkpointing=True; a timeline of steps 3..4",
         "small_gpt",
-        sgdtp={"bucket_cap_mb": 0.01, "profile_steps": [3, 4]},
+        sgdtp={"bucket_cap_mb": 0.01, "profile_steps": [3, 4], "activation_checkpointing": True},
         max_abs=5e-4,
     ),
     "accum_clip": Case(
@@ -73,12 +75,6 @@ CASES = {
         trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
     ),
     "bf16_mixed": Case("precision='bf16-mixed'", "small_gpt", trainer={"precision": "bf16-mixed"}, max_abs=None),
-    "act_ckpt": Case(
-        "activation_checkpointing=True against ddp without checkpointing",
-        "small_gpt",
-        sgdtp={"activation_checkpointing": True},
-        max_abs=5e-4,
-    ),
     "manual": Case("manual optimization: two manual_backward per step, clip_gradients", "ManualModel"),
     "scheduled": Case(
         "RMSprop compiled by torch.compile (no fused kernel), a per-step StepLR, gradient clipping",
@@ -88,6 +84,9 @@ CASES = {
     "bf16_comm": Case("grad_comm_dtype='bf16' (lossy by design)", sgdtp={"grad_comm_dtype": "bf16"}, max_abs=None),
 }
 IN_GRAPH = [name for name in CASES if "accumulate_grad_batches" not in CASES[name].trainer]
+#: The slow tier (`pytest -m slow`; tests/README.md): precision and optimizer variants of the same data-parallel
+#: path, covered in the default run by "breaks", "gpt" and "accum_clip".
+SLOW = {"bf16_mixed", "manual", "scheduled", "bf16_comm"}
 _RESULTS: dict[str, dict] = {}
 
 
@@ -97,7 +96,7 @@ def result(name: str, tmp_path_factory: pytest.TempPathFactory, case: Case | Non
     return parity_result(_RESULTS, "dp_parity.py", name, scenario, tmp_path_factory.mktemp(name), **env)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", tiered(list(CASES), SLOW))
 def test_parity_with_ddp(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     tolerance = CASES[name].max_abs
     r = result(name, tmp_path_factory)
@@ -118,7 +117,7 @@ def test_parity_with_ddp(name: str, tmp_path_factory: pytest.TempPathFactory) ->
     assert r["info"]["plan"]["graphs"], "no graph was captured"
 
 
-@pytest.mark.parametrize("name", IN_GRAPH)
+@pytest.mark.parametrize("name", tiered(IN_GRAPH, SLOW & set(IN_GRAPH)))
 def test_gradient_sync_is_inside_the_compiled_backward(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     plan = result(name, tmp_path_factory)["info"]["plan"]
     assert plan["grad_sync"] == "in-graph"
@@ -173,12 +172,14 @@ def test_timeline_of_the_profiled_steps(tmp_path_factory: pytest.TempPathFactory
     assert any(e.get("name", "").startswith("gloo:all_reduce") for e in trace)  # a Chrome trace per rank
 
 
+@pytest.mark.slow
 def test_compiled_update_and_scheduler(tmp_path_factory: pytest.TempPathFactory) -> None:
     plan = result("scheduled", tmp_path_factory)["info"]["plan"]
     (update,) = plan["step_program"]["optimizer_update"]
     assert (update["optimizer"], update["how"]) == ("RMSprop", "compiled"), update
 
 
+@pytest.mark.slow
 def test_bf16_on_the_wire_halves_the_bytes(tmp_path_factory: pytest.TempPathFactory) -> None:
     for g in result("bf16_comm", tmp_path_factory)["info"]["plan"]["graphs"]:
         for b in g["buckets"]:
@@ -186,7 +187,7 @@ def test_bf16_on_the_wire_halves_the_bytes(tmp_path_factory: pytest.TempPathFact
 
 
 def test_activation_checkpointing_wraps_every_block(tmp_path_factory: pytest.TempPathFactory) -> None:
-    plan = result("act_ckpt", tmp_path_factory)["info"]["plan"]
+    plan = result("gpt", tmp_path_factory)["info"]["plan"]
     assert plan["activation_checkpointing"] == ["model.blocks.0", "model.blocks.1"]
 
 

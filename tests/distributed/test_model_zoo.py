@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.launch import JOBS, finish, job_env, parity_result, rel_update_diff, start
+from helpers.launch import JOBS, finish, job_env, parity_result, rel_update_diff, start, tiered
 
 REL_TOL, GRAD_TOL = 1e-3, 1e-4
 PP = {"pipeline_stages": 2, "pipeline_chunks": 4}
@@ -57,6 +57,9 @@ CELLS: dict[str, dict[str, Any]] = {
     # and with pipeline stages: 2 pipelines of 2 stages, each stage split over its 2 replicas
     "vit_pipeline_sharded": {"model": "vit", "devices": 4, "dp": 2, "sgdtp": {**PP, "sharding": "full"}, "batch": 8},
 }
+#: The slow tier (tests/README.md): the sharded hybrid and pipeline cells. The default run keeps one transformers
+#: model per mode: ViT pipeline, Llama tensor, GPT-2 hybrid, ResNet data, Llama data sharded.
+SLOW = {"gpt2_hybrid_sharded", "vit_pipeline_sharded"}
 _RESULTS: dict[str, dict] = {}
 
 
@@ -71,7 +74,7 @@ def grad_error(r: dict) -> float:
     return num / sum(float(ref[k].float().norm() ** 2) for k in ref) ** 0.5
 
 
-@pytest.mark.parametrize("name", list(CELLS))
+@pytest.mark.parametrize("name", tiered(list(CELLS), SLOW))
 def test_zoo_model_trains_like_one_process(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     r = result(name, tmp_path_factory, CELLS[name])
     assert r["ref"].keys() == r["sgdtp"].keys()
@@ -93,6 +96,7 @@ def test_zoo_model_trains_like_one_process(name: str, tmp_path_factory: pytest.T
         assert r["info"]["plan"]["pipeline"]["contiguous_boundaries"], r["info"]["plan"]["pipeline"]
 
 
+@pytest.mark.slow
 def test_negative_control_without_the_data_parallel_sync(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Llama, data parallel on 2 ranks with the gradient all-reduce off: each rank trains on its half of the batch."""
     scenario = {"model": "llama", "devices": 2, "dp": 2, "sgdtp": {}}

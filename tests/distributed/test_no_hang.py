@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.launch import JOBS, finish, group_alive, job_env, start
+from helpers.launch import JOBS, finish, group_alive, job_env, start, tiered
 
 BOUND = 60.0  # seconds from the failure (or the signal) to the last process of the job gone (issue 14)
 STARTUP = 420.0  # compile and first steps, on 2 busy cores
@@ -62,7 +62,8 @@ def _run_until(tmp_path: Path, scenario: dict[str, Any], strike: Any) -> tuple[f
     return ended, proc.returncode, out
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+# The default run keeps data, hybrid and pipeline; pipeline x data (4 ranks, the same guard) is in the slow tier.
+@pytest.mark.parametrize("mode", tiered(list(MODES), slow={"pipeline_x_data"}))
 def test_a_failure_on_one_rank_ends_the_job(tmp_path: Path, mode: str) -> None:
     """Rank 1 raises in its step-2 ``training_step`` (in a pipeline: inside the schedule, on the last stage, while
     rank 0 waits in a send/recv); the job writes the moment to ``OUT/struck``."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.launch import JOBS, parity_result, rel_update_diff, run
+from helpers.launch import JOBS, parity_result, rel_update_diff, run, tiered
 
 GRAD_TOL = {"fp32": 1e-4, "bf16": 3e-2}
 REL_TOL = {"fp32": 1e-3, "bf16": 0.15}
@@ -105,6 +105,9 @@ CASES = {
 }
 # The negative control: pp=2 x dp=2 with the data-parallel all-reduce switched off (the tied-weight sum still runs).
 NO_DP_SYNC = Case("pp=2 x dp=2 on 4 ranks, SGDTP_NEGATIVE_CONTROL=no-dp-sync", 4, PP2)
+#: The slow tier (tests/README.md): other schedules and options over the same stage split. The default run keeps
+#: 1F1B (with and without accumulation and clipping), pp x dp and pp x dp sharded.
+SLOW = {"gpipe_2x4", "interleaved_2x4", "options_dict_ckpt_measured", "1f1b_bf16", "1f1b_short_last_batch"}
 _RESULTS: dict[str, dict] = {}
 
 
@@ -115,7 +118,7 @@ def result(name: str, tmp_path_factory: pytest.TempPathFactory, case: Case | Non
     return parity_result(_RESULTS, "pp_parity.py", name, scenario, out, ("info", "ref_metrics"), **env)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", tiered(list(CASES), SLOW))
 def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     case = CASES[name]
     r = result(name, tmp_path_factory)
@@ -133,7 +136,7 @@ def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFac
         assert norm > 0.3 * 2, norm  # clipping (gradient_clip_val=0.3) really acted, on the global norm
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", tiered(list(CASES), SLOW))
 def test_every_rank_logs_what_the_reference_logs(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     case = CASES[name]
     r = result(name, tmp_path_factory)
@@ -153,7 +156,7 @@ def test_every_rank_logs_what_the_reference_logs(name: str, tmp_path_factory: py
             assert abs(metrics["val_ppl"] - ref["val_ppl"]) < 1e-3, (rank, metrics, ref)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", tiered(list(CASES), SLOW))
 def test_the_plan_says_what_was_decided(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     case = CASES[name]
     r = result(name, tmp_path_factory)
@@ -171,6 +174,7 @@ def test_the_plan_says_what_was_decided(name: str, tmp_path_factory: pytest.Temp
     assert pipeline["dp_size"] == case.devices // 2  # pipelines of 2 stages, data parallel over the rest
 
 
+@pytest.mark.slow
 def test_interleaved_schedule_places_two_stages_on_each_rank(tmp_path_factory: pytest.TempPathFactory) -> None:
     pipeline = result("interleaved_2x4", tmp_path_factory)["info"]["plans"][0]["pipeline"]
     split = pipeline["split"]
@@ -179,6 +183,7 @@ def test_interleaved_schedule_places_two_stages_on_each_rank(tmp_path_factory: p
     assert split["blocks_per_stage"] == [[f"model.blocks.{i}"] for i in range(4)]
 
 
+@pytest.mark.slow
 def test_the_options_dict_with_measured_balance_and_checkpointing(tmp_path_factory: pytest.TempPathFactory) -> None:
     plan = result("options_dict_ckpt_measured", tmp_path_factory)["info"]["plans"][0]
     pipeline, split = plan["pipeline"], plan["pipeline"]["split"]
@@ -187,6 +192,7 @@ def test_the_options_dict_with_measured_balance_and_checkpointing(tmp_path_facto
     assert plan["graph_breaks"] == {}  # checkpointed blocks stay inside the one compiled stage graph
 
 
+@pytest.mark.slow
 def test_a_short_last_batch_is_traced_again_as_gpipe(tmp_path_factory: pytest.TempPathFactory) -> None:
     pipeline = result("1f1b_short_last_batch", tmp_path_factory)["info"]["plans"][0]["pipeline"]
     # the 1-sample batch: traced again, one micro-batch, GPipe's order
@@ -218,6 +224,7 @@ def test_sharded_stages_gather_and_reduce_scatter_inside_their_graphs(tmp_path_f
     assert held["optimizer_state"] <= part["param_bytes_before"] + part["largest_block_bytes"], (held, part)
 
 
+@pytest.mark.slow
 def test_negative_control_without_the_data_parallel_sync(tmp_path_factory: pytest.TempPathFactory) -> None:
     r = result("pp2_dp2_no_dp_sync", tmp_path_factory, NO_DP_SYNC, SGDTP_NEGATIVE_CONTROL="no-dp-sync")
     assert "NEGATIVE CONTROL" in r["log"], "the switch was not honoured"  # the log line is the switch's feature

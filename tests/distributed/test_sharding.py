@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.launch import JOBS, job_env, parity_result, rel_update_diff, run
+from helpers.launch import JOBS, job_env, parity_result, rel_update_diff, run, tiered
 
 REL_TOL, GRAD_TOL = 1e-2, 1e-4
 #: bf16 all-gathers round the weights the step computes with: the tolerances of the bf16 tensor-parallel tests
@@ -74,6 +74,11 @@ CASES: dict[str, dict[str, Any]] = {
 }
 _RESULTS: dict[str, dict] = {}
 
+#: The slow tier (tests/README.md): more ranks, accumulation and bf16 gathers over the same 1-D sharding. The default
+#: run keeps full, optimizer + clipping, shard_size (2 x 2, 4 ranks), with tensor parallel (4 ranks) and, in
+#: test_pipeline_parallel.py, with pipeline stages.
+SLOW = {"data_gpt_full_4_ranks", "data_gpt_full_accum", "data_gpt_bf16_gather"}
+
 
 def result(name: str, tmp_path_factory: pytest.TempPathFactory, scenario: dict[str, Any], **env: str) -> dict:
     return parity_result(_RESULTS, "tp_parity.py", name, scenario, tmp_path_factory.mktemp(name), **env)
@@ -85,7 +90,7 @@ def grad_error(r: dict) -> float:
     return max(float((got[k] - v).norm() / v.norm().clamp_min(1e-12)) for k, v in ref.items())
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", tiered(list(CASES), SLOW))
 def test_sharded_training_matches_one_process(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     scenario = CASES[name]
     r = result(name, tmp_path_factory, scenario)
@@ -114,9 +119,10 @@ def test_sharded_training_matches_one_process(name: str, tmp_path_factory: pytes
     assert plan["bytes_per_step"]["fallback"] == 0
 
 
-@pytest.mark.parametrize(
-    "name", ["data_gpt_full", "data_gpt_full_4_ranks", "data_gpt_hybrid_shard", "hybrid_mha_full_clip"]
-)
+HELD = ["data_gpt_full", "data_gpt_full_4_ranks", "data_gpt_hybrid_shard", "hybrid_mha_full_clip"]
+
+
+@pytest.mark.parametrize("name", tiered(HELD, SLOW & set(HELD)))
 def test_each_rank_holds_its_share_of_the_bytes(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Parameters + gradients + AdamW state per rank <= 1/N of the unsharded bytes + one block's parameters."""
     r = result(name, tmp_path_factory, CASES[name])

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from helpers.launch import parity_result, rel_update_diff
+from helpers.launch import parity_result, rel_update_diff, tiered
 
 REL_TOL = {"fp32": 1e-2, "bf16": 0.15}
 GRAD_TOL = {"fp32": 1e-4, "bf16": 3e-2}
@@ -86,6 +86,9 @@ CASES = {
 }
 # The negative control: hybrid dp=2 x tp=2 on the small GPT, with the data-parallel all-reduce switched off.
 NO_DP_SYNC = Case("hybrid dp=2 x tp=2, 4 ranks, small GPT, SGDTP_NEGATIVE_CONTROL=no-dp-sync", "small_gpt", 4, HYBRID)
+#: The slow tier (tests/README.md): other models and options over the same split. The default run keeps tensor
+#: (GPT: fused qkv, tied head, clipping) and hybrid (GPT, sequence parallel, validation).
+SLOW = {"tensor_mha", "tensor_llama_bf16", "hybrid_mha_clip"}
 _RESULTS: dict[str, dict] = {}
 
 
@@ -95,7 +98,7 @@ def result(name: str, tmp_path_factory: pytest.TempPathFactory, case: Case | Non
     return parity_result(_RESULTS, "tp_parity.py", name, scenario, tmp_path_factory.mktemp(name), **env)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", tiered(list(CASES), SLOW))
 def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     case = CASES[name]
     r = result(name, tmp_path_factory)
@@ -143,6 +146,7 @@ def test_validation_runs_through_the_split_model(tmp_path_factory: pytest.TempPa
     assert abs(ours["val_loss"] - ref["val_loss"]) < 1e-4, (ours, ref)
 
 
+@pytest.mark.slow
 def test_negative_control_without_data_parallel_sync_does_not_match(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The comparison can fail: the same hybrid run with the dp all-reduce switched off is far from the reference."""
     r = result("hybrid_no_dp_sync", tmp_path_factory, NO_DP_SYNC, SGDTP_NEGATIVE_CONTROL="no-dp-sync")

@@ -12,9 +12,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from helpers import JOBS, REPO
+
+
+def tiered(names: list[str], slow: set[str]) -> list[Any]:
+    """Parameters of a table-driven test: the names in ``slow`` carry the ``slow`` mark (left out of the default
+    run; ``pytest -m slow`` runs them). ``slow`` must name cases of the table."""
+    unknown = slow - set(names)
+    assert not unknown, f"slow cases not in the table: {sorted(unknown)}"
+    return [pytest.param(n, marks=[pytest.mark.slow] if n in slow else [], id=n) for n in names]
 
 
 def read_plans(root: Path) -> list[dict[str, Any]]:
