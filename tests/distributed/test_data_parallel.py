@@ -84,9 +84,9 @@ CASES = {
     "bf16_comm": Case("grad_comm_dtype='bf16' (lossy by design)", sgdtp={"grad_comm_dtype": "bf16"}, max_abs=None),
 }
 IN_GRAPH = [name for name in CASES if "accumulate_grad_batches" not in CASES[name].trainer]
-#: The slow tier (`pytest -m slow`; tests/README.md): precision and optimizer variants of the same data-parallel
-#: path, covered in the default run by "breaks", "gpt" and "accum_clip".
-SLOW = {"bf16_mixed", "manual", "scheduled", "bf16_comm"}
+#: The slow tier (`pytest -m slow`; tests/README.md): variants of the same data-parallel path, covered in the default
+#: run by "breaks", "gpt", "accum_clip" and "bf16_mixed".
+SLOW = {"manual", "scheduled", "bf16_comm"}
 _RESULTS: dict[str, dict] = {}
 
 
