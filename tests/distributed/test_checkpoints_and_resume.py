@@ -41,8 +41,9 @@ REL_TOL = {"tensor": 1e-2, "pipeline": 1e-3}  # fp32, as in test_tensor_parallel
 
 
 # ------------------------------------------------------------------------------------------- data parallel
-# Replicated resume stays in the default run through the killed-job tests below (bitwise, one checkpoint file).
-@pytest.mark.parametrize("sharding", tiered(["none", "full"], slow={"none"}))
+# Slow tier: resume stays in the default run through the killed-job tests below (bitwise, one checkpoint file) and,
+# sharded, through resume_tp_to_dp (a DCP folder of DTensor shards, read back on another layout).
+@pytest.mark.parametrize("sharding", tiered(["none", "full"], slow={"none", "full"}))
 def test_resume_ends_with_exactly_the_uninterrupted_parameters(sharding: str, tmp_path: Path) -> None:
     """Three jobs as on a cluster: 2 epochs straight; 1 epoch + checkpoint; a new job resumed from it. Replicated
     (one checkpoint file) and sharded (a DCP folder of each rank's shards and optimizer state).
@@ -228,6 +229,7 @@ def test_killed_run_resumes_to_the_uninterrupted_parameters(
     assert not [p for p in (tmp_path / "ckpt").iterdir() if ".tmp-" in p.name], "stale temporary files remain"
 
 
+@pytest.mark.slow  # the same resume as the killed-job test; torchrun itself: test_faults.py
 def test_torchrun_restart_resumes_on_its_own(straight: dict[str, torch.Tensor], tmp_path: Path) -> None:
     """torchrun --max-restarts=1: rank 1 dies at step 9 of the first attempt; the restart resumes from last."""
     env = job_env()

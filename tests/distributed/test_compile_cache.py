@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from helpers.launch import run_job
 
@@ -30,7 +31,10 @@ def _equal(out: Path, a: str, b: str) -> bool:
     return all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
-def test_cold_then_warm_then_tampered(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
+    """A cold job that writes the bundle, then a warm job that loads it (the default run's compile-cache check)."""
+    tmp_path = tmp_path_factory.mktemp("compile-cache")
     cache, out = tmp_path / "cache", tmp_path / "out"
     log, cold = _job(cache, out, "cold")
     # log wording (the bundle's fate is not in the plan yet): a cold start compiles and writes the bundle
@@ -47,7 +51,19 @@ def test_cold_then_warm_then_tampered(tmp_path: Path) -> None:
     assert all(s["fxgraph_cache_miss"] == 0 and s["autograd_cache_hit"] > 0 for s in warm), warm
     assert all(s["graphs"] == cold[0]["graphs"] for s in warm), (warm, cold)  # the plan is reported all the same
     assert _equal(out, "cold", "warm"), "a warm start must train exactly like a cold one"
+    return cache, out, cold
 
+
+def test_cold_then_warm(warmed: tuple[Path, Path, list[dict]]) -> None:
+    """One compile per node, a bundle written after the first step, a later job warm from it (asserted above)."""
+    cache, _, cold = warmed
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1 and cold
+
+
+@pytest.mark.slow  # the bundle's manifest check itself: tests/unit/test_trust.py; trust in the default run: checkpoints
+def test_a_tampered_bundle_is_ignored_replaced_and_warm_again(warmed: tuple[Path, Path, list[dict]]) -> None:
+    cache, out, _ = warmed
+    (bundle,) = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
     victim = max((p for p in bundle.rglob("*.so")), key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -72,7 +72,9 @@ def test_a_lost_rank_ends_the_job_in_bounded_time(tmp_path: Path, mode: str) -> 
     ("rank", "addr", "expect"),
     [
         (1, "127.0.0.1", "rank 1 tried to reach the rendezvous store"),  # nobody listens on the port
-        (1, "10.255.255.1", "rank 1 tried to reach the rendezvous store"),  # an address no packet reaches
+        # an address no packet reaches: a private-range address, traffic this workplace flags; slow tier only, until
+        # it is replaced by a loopback black hole (tests/README.md)
+        pytest.param(1, "10.255.255.1", "rank 1 tried to reach the rendezvous store", marks=pytest.mark.slow),
         (0, "127.0.0.1", "rank 0 hosts the rendezvous store"),  # the other rank never comes
     ],
     ids=["closed-port", "unroutable-address", "missing-rank"],

@@ -137,6 +137,7 @@ def test_each_rank_holds_its_share_of_the_bytes(name: str, tmp_path_factory: pyt
     assert held["optimizer_state"] <= 2 * whole / n + 2 * part["largest_block_bytes"] // 4, (held, part)
 
 
+@pytest.mark.slow  # default: the missed reduce-scatter control below, and the data-parallel one
 def test_negative_control_without_the_reduction_does_not_match(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The parity can fail: the same sharded run with no gradient reduction trains each shard on half a batch."""
     r = result("data_gpt_no_dp_sync", tmp_path_factory, CASES["data_gpt_full"], SGDTP_NEGATIVE_CONTROL="no-dp-sync")
