@@ -20,7 +20,6 @@ This module adds three things on top of that cache, without touching its format:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import inspect
 import json
@@ -29,8 +28,6 @@ import shutil
 import sys
 import sysconfig
 import tempfile
-import threading
-from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sgdtp._fs import fsync_path, write_atomically
-from lightning_sgdtp.compiler.artifacts import PLUGIN_FINGERPRINT
+from lightning_sgdtp.compiler.artifacts import PLUGIN_FINGERPRINT, CompileLock
 from lightning_sgdtp.compiler.backend import PASS_VERSION
 from lightning_sgdtp.config import SGDTPConfig
 from lightning_sgdtp.trust import ArtifactVerificationError, verify_dir
@@ -134,29 +131,12 @@ class CompileCache:
         self.warm = False
         self.rejected = False  # the bundle failed verification: this job replaces it
         self._graphs: tuple[int, list[dict[str, Any]]] = (-1, [])  # (folder mtime, graphs) read last
-        self._depth = threading.local()
+        self._lock = CompileLock(self.local_dir / LOCK)
 
     # ----------------------------------------------------------------------------------------------- lock
-    @contextlib.contextmanager
-    def lock(self) -> Generator[None, None, None]:
+    def lock(self) -> contextlib.AbstractContextManager:
         """Exclusive across the processes of this node; re-entrant within one (a compile inside a compile)."""
-        depth = getattr(self._depth, "n", 0)
-        if depth:
-            self._depth.n = depth + 1
-            try:
-                yield
-            finally:
-                self._depth.n -= 1
-            return
-        self.local_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.local_dir / LOCK, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            self._depth.n = 1
-            try:
-                yield
-            finally:
-                self._depth.n = 0
-                fcntl.flock(f, fcntl.LOCK_UN)
+        return self._lock()
 
     # ---------------------------------------------------------------------------------------------- start
     def prepare(self) -> str:

@@ -19,10 +19,14 @@ and graph files, not the compiler's output), and the fix is a few lines around I
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import struct
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +125,57 @@ def install_atomic_builds() -> None:
         _INDUCTOR_BUILD = cpp_builder.CppBuilder.build
         cpp_builder.CppBuilder.build = staged_build
     codecache._worker_compile_cpp = build_atomically
+
+
+# --------------------------------------------------------------------------------------------- compile lock
+class CompileLock:
+    """An exclusive file lock across the processes of a node, re-entrant within one (a compile inside a compile).
+
+    Ranks that compile the same graphs (the data-parallel replicas of one tensor-parallel coordinate) take turns:
+    the first compiles, the others then find every graph in the cache instead of compiling it again. Taken per
+    compile, never across a collective, so it cannot deadlock the ranks; a holder that dies releases it (flock).
+    """
+
+    def __init__(self, path: Path, wait_s: float | None = None) -> None:
+        self.path, self.wait_s = path, wait_s
+        self._depth = threading.local()
+
+    @contextlib.contextmanager
+    def __call__(self) -> Generator[None, None, None]:
+        depth = getattr(self._depth, "n", 0)
+        if depth:
+            self._depth.n = depth + 1
+            try:
+                yield
+            finally:
+                self._depth.n -= 1
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            locked = self._acquire(f)
+            self._depth.n = 1
+            try:
+                yield
+            finally:
+                self._depth.n = 0
+                if locked:
+                    fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _acquire(self, f: Any) -> bool:
+        """Wait for the lock, at most ``wait_s`` (None: as long as it takes). A holder that hangs never hangs the
+        others past that bound: they then compile without it (the same graphs twice, never a wrong one)."""
+        if self.wait_s is None:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            return True
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
 
 
 # ------------------------------------------------------------------------------------------- cache folders

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.distributed.utils import _sync_params_and_buffers
 
 from lightning_sgdtp import compile_cache
 from lightning_sgdtp.compiler import bucket_cost
-from lightning_sgdtp.compiler.artifacts import cost_model_folder
+from lightning_sgdtp.compiler.artifacts import CompileLock, cost_model_folder
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
 from lightning_sgdtp.compiler.bucket_cost import CostModel
 from lightning_sgdtp.config import SGDTPConfigError
@@ -146,7 +147,18 @@ class CompiledStep(StepEngine):
                 self.compiler.cost = self._cost_model()
         if config.compile_cache is not None:
             self._setup_compile_cache(accumulate == 1)
+        elif self.layout.dp > 1:
+            self._share_compiles()
         self._say_sync(accumulate)
+
+    def _share_compiles(self) -> None:
+        """The data-parallel replicas of one tensor-parallel coordinate compile the same graphs: on a node they take
+        turns (a file lock in Inductor's cache folder, one per coordinate), so one compiles and the others take its
+        graphs from the cache instead of compiling them again at the same time."""
+        coordinate = self.mesh["tp"].get_local_rank() if self.mesh is not None and self.layout.tp > 1 else 0
+        lock = CompileLock(Path(cache_dir()) / f"sgdtp-compile-tp{coordinate}.lock", self.config.collective_timeout)
+        for compiler in filter(None, (self.compiler, self.accumulating_compiler)):
+            compiler.compile_lock = lock
 
     def _cost_model(self) -> CostModel:
         """The link and the device measured once per engine (a collective over the data-parallel group)."""

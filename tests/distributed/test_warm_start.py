@@ -31,8 +31,10 @@ def _run(root: Path, cache: Path) -> dict:
 def test_the_second_run_of_the_main_job_compiles_nothing(tmp_path: Path) -> None:
     cache = tmp_path / "inductor"
     cold, warm = _run(tmp_path / "cold", cache), _run(tmp_path / "warm", cache)
-    assert cold["graph_cache"]["misses"] > 0 and cold["graph_cache"]["hits"] == 0, cold
-    assert warm["graph_cache"] == {"hits": cold["graph_cache"]["misses"], "misses": 0}, (cold, warm)
+    # Cold: rank 0 compiled each graph, or took it from the other rank, which compiled it first (the replicas of a
+    # node take turns); warm: every graph from the cache.
+    graphs = cold["graph_cache"]["hits"] + cold["graph_cache"]["misses"]
+    assert graphs >= 2 and warm["graph_cache"] == {"hits": graphs, "misses": 0}, (cold, warm)
     # What the user waits for: the first step of the warm run, with every graph loaded instead of compiled.
     ratio = warm["first_step_s"] / cold["first_step_s"]
     assert ratio <= 0.4, (

@@ -15,6 +15,7 @@ from lightning_sgdtp.compiler.artifacts import (
     PACKAGE,
     PLUGIN_FINGERPRINT,
     CacheFolderError,
+    CompileLock,
     check_cache_folders,
     is_complete,
     source_fingerprint,
@@ -101,3 +102,28 @@ def test_same_model_and_plugin_share_graphs_an_edited_plugin_does_not(monkeypatc
     monkeypatch.setattr(backend, "PLUGIN_FINGERPRINT", "0123456789abcdef")
     assert _compile_once(other) == {"hit": 0, "miss": 2}
     assert artifacts.PLUGIN_FINGERPRINT == PLUGIN_FINGERPRINT
+
+
+def test_the_compile_lock_is_exclusive_reentrant_and_bounded(tmp_path: Path) -> None:
+    """Replicas take turns; a holder that hangs delays the others at most ``wait_s``, then they compile alone."""
+    import threading
+    import time
+
+    path = tmp_path / "sgdtp-compile-tp0.lock"
+    holder, waiter = CompileLock(path), CompileLock(path, wait_s=0.3)
+    seen: list[tuple[str, float]] = []
+
+    def wait() -> None:
+        begin = time.monotonic()
+        with waiter():
+            seen.append(("waiter in", time.monotonic() - begin))
+
+    with holder(), holder():  # re-entrant in one process
+        thread = threading.Thread(target=wait)
+        thread.start()
+        thread.join(5)
+        seen.append(("holder out", 0.0))
+    (what, waited), _ = seen
+    assert what == "waiter in" and 0.25 < waited < 3, seen  # gave up waiting after wait_s, while the holder held it
+    with waiter():  # free again: taken at once
+        pass
