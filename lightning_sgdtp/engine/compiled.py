@@ -147,16 +147,17 @@ class CompiledStep(StepEngine):
                 self.compiler.cost = self._cost_model()
         if config.compile_cache is not None:
             self._setup_compile_cache(accumulate == 1)
-        elif self.layout.dp > 1:
+        elif self.layout.dp > 1 and self.layout.tp == 1 and config.shard_size is None:
+            # Every rank compiles the same graphs (the same groups in every collective): they take turns.
             self._share_compiles()
         self._say_sync(accumulate)
 
     def _share_compiles(self) -> None:
-        """The data-parallel replicas of one tensor-parallel coordinate compile the same graphs: on a node they take
-        turns (a file lock in Inductor's cache folder, one per coordinate), so one compiles and the others take its
-        graphs from the cache instead of compiling them again at the same time."""
-        coordinate = self.mesh["tp"].get_local_rank() if self.mesh is not None and self.layout.tp > 1 else 0
-        lock = CompileLock(Path(cache_dir()) / f"sgdtp-compile-tp{coordinate}.lock", self.config.collective_timeout)
+        """Data parallel alone (replicated or sharded over every rank): every rank compiles the same graphs. On a
+        node they take turns (a file lock in Inductor's cache folder), so one compiles each graph and the others take
+        it from the cache instead of compiling it again at the same time. With tensor parallel or shard_size the
+        graphs name each rank's own row of groups, so they differ, and the ranks compile side by side as before."""
+        lock = CompileLock(Path(cache_dir()) / "sgdtp-compile.lock", self.config.collective_timeout)
         for compiler in filter(None, (self.compiler, self.accumulating_compiler)):
             compiler.compile_lock = lock
 
