@@ -147,8 +147,8 @@ class CompiledStep(StepEngine):
                 self.compiler.cost = self._cost_model()
         if config.compile_cache is not None:
             self._setup_compile_cache(accumulate == 1)
-        elif self.layout.dp > 1 and self.layout.tp == 1 and config.shard_size is None:
-            # Every rank compiles the same graphs (the same groups in every collective): they take turns.
+        elif self.layout.dp > 1 and self.layout.tp == 1 and config.shard_size is None and self.device.type == "cpu":
+            # Every rank compiles the same graphs (the same device, the same groups in every collective): turns.
             self._share_compiles()
         self._say_sync(accumulate)
 
@@ -156,7 +156,8 @@ class CompiledStep(StepEngine):
         """Data parallel alone (replicated or sharded over every rank): every rank compiles the same graphs. On a
         node they take turns (a file lock in Inductor's cache folder), so one compiles each graph and the others take
         it from the cache instead of compiling it again at the same time. With tensor parallel or shard_size the
-        graphs name each rank's own row of groups, so they differ, and the ranks compile side by side as before."""
+        graphs name each rank's own row of groups, and on GPUs each rank's own device: they differ, and the ranks
+        compile side by side as before."""
         lock = CompileLock(Path(cache_dir()) / "sgdtp-compile.lock", self.config.collective_timeout)
         for compiler in filter(None, (self.compiler, self.accumulating_compiler)):
             compiler.compile_lock = lock
