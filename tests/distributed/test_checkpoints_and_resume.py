@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -286,15 +285,8 @@ except ArtifactVerificationError as err:
 
 
 def _job(root: Path, part: str, **kwargs: object) -> str:
-    result = subprocess.run(
-        [sys.executable, "-c", CHECKPOINT_JOB, str(root), part, repr(kwargs)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"},
-        check=False,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    result = run([sys.executable, "-c", CHECKPOINT_JOB, str(root), part, repr(kwargs)], timeout=300)
+    assert result.returncode == 0, result.stdout[-5000:]
     return next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))
 
 

@@ -106,8 +106,17 @@ CASES = {
 # The negative control: pp=2 x dp=2 with the data-parallel all-reduce switched off (the tied-weight sum still runs).
 NO_DP_SYNC = Case("pp=2 x dp=2 on 4 ranks, SGDTP_NEGATIVE_CONTROL=no-dp-sync", 4, PP2)
 #: The slow tier (tests/README.md): other schedules and options over the same stage split. The default run keeps
-#: 1F1B (with and without accumulation and clipping), pp x dp and pp x dp sharded.
-SLOW = {"gpipe_2x4", "interleaved_2x4", "options_dict_ckpt_measured", "1f1b_bf16", "1f1b_short_last_batch"}
+#: 1F1B (with and without accumulation and clipping) and pp x dp with each stage sharded over its replicas (the one
+#: 4-rank pipeline job: pp x dp replicated, the same mesh and schedule with the all-reduce in place of the
+#: reduce-scatter, is slow).
+SLOW = {
+    "gpipe_2x4",
+    "interleaved_2x4",
+    "options_dict_ckpt_measured",
+    "1f1b_bf16",
+    "1f1b_short_last_batch",
+    "pp2_dp2_1f1b",
+}
 _RESULTS: dict[str, dict] = {}
 
 
@@ -199,6 +208,7 @@ def test_a_short_last_batch_is_traced_again_as_gpipe(tmp_path_factory: pytest.Te
     assert any("(1, 16)" in t and "ScheduleGPipe" in t for t in pipeline["traced"]), pipeline["traced"]
 
 
+@pytest.mark.slow  # default: the same mesh, sharded (the next test)
 def test_pipelines_with_data_parallel_sync_inside_each_stage(tmp_path_factory: pytest.TempPathFactory) -> None:
     plan = result("pp2_dp2_1f1b", tmp_path_factory)["info"]["plans"][0]
     pipeline = plan["pipeline"]
@@ -212,7 +222,10 @@ def test_sharded_stages_gather_and_reduce_scatter_inside_their_graphs(tmp_path_f
     """Each stage split over its 2 replicas: every stage backward graph reduce-scatters (proved at compile time),
     and each rank holds half the parameters + AdamW state it would hold replicated."""
     r = result("pp2_dp2_sharded_full", tmp_path_factory)
-    sharding = r["info"]["plans"][0]["sharding"]
+    plan = r["info"]["plans"][0]
+    pipeline = plan["pipeline"]  # 2 pipelines of 2 stages: stage s of pipeline p on rank s * dp + p
+    assert (pipeline["pp_size"], pipeline["dp_size"], plan["mesh_layout"]) == (2, 2, [[0, 1], [2, 3]])
+    sharding = plan["sharding"]
     (part,) = sharding["parts"]
     assert (part["mode"], part["dp"]) == ("full", 2) and part["split"], part
     backward = [g for g in sharding["collectives_per_graph"] if "proved_reduced" in g]

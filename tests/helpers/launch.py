@@ -3,8 +3,10 @@ its scenario, read back what it wrote, compare parameters."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from helpers import JOBS, REPO
+from helpers.zygote import Zygote
 
 
 def tiered(names: list[str], slow: set[str]) -> list[Any]:
@@ -98,13 +101,42 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+#: Variables a job may set differently from the zygote's start: read when a job runs, never when torch, Lightning
+#: or lightning_sgdtp are imported. Any other difference (an Inductor setting, ``CXX``, a cache folder: read at
+#: import) runs the job in a fresh interpreter.
+RUNTIME_ONLY = re.compile(r"MASTER_ADDR|MASTER_PORT|NODE_RANK|SGDTP_\w+")
+_ZYGOTE: list[Zygote] = []
+
+
+def zygote_for(env: dict[str, str]) -> Zygote | None:
+    """This test process's zygote (``helpers.zygote``), started on first use from ``job_env()``, if a job with
+    ``env`` can run in a process forked from it; else None. ``SGDTP_TEST_NO_ZYGOTE=1`` turns it off."""
+    if os.environ.get("SGDTP_TEST_NO_ZYGOTE") == "1":
+        return None
+    if not _ZYGOTE or not _ZYGOTE[0].alive():
+        _ZYGOTE[:] = [Zygote(job_env())]
+        atexit.register(_ZYGOTE[0].close)
+    base = _ZYGOTE[0].env
+    differ = {k for k in env.keys() | base.keys() if env.get(k) != base.get(k)}
+    return _ZYGOTE[0] if all(RUNTIME_ONLY.fullmatch(k) for k in differ) else None
+
+
 def run(cmd: list[str], timeout: float = 420, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``cmd`` to completion (stderr merged into stdout); a timeout fails the test with the output tail."""
-    proc = start(cmd, env)
-    out, _, timed_out = finish(proc, timeout)
+    """Run ``cmd`` to completion (stderr merged into stdout); a timeout fails the test with the output tail.
+
+    ``python ...`` runs in a process forked from the zygote when its environment allows (``zygote_for``): the same
+    script, arguments and environment, without paying the import again."""
+    env = env or job_env()
+    zygote = zygote_for(env) if cmd[0] == sys.executable else None
+    if zygote is not None:
+        returncode, out, _, timed_out = zygote.run(cmd[1:], env, timeout, merge_stderr=True)
+    else:
+        proc = start(cmd, env)
+        out, _, timed_out = finish(proc, timeout)
+        returncode = proc.returncode
     if timed_out:
         raise AssertionError(f"{cmd} timed out after {timeout}s; output tail:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    return subprocess.CompletedProcess(cmd, returncode, out, None)
 
 
 def run_job(script: str, *args: str, timeout: float = 420, **env: str) -> subprocess.CompletedProcess:
