@@ -30,11 +30,14 @@ from __future__ import annotations
 import contextlib
 import html
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_sgdtp._fs import write_atomically
 
 FOLDER = "sgdtp_timeline"
 STEP_LABEL = "sgdtp: step"
@@ -118,14 +121,25 @@ class Timeline:
         profiler.__exit__(None, None, None)
         folder = self.folder() / FOLDER
         folder.mkdir(parents=True, exist_ok=True)
+        # Every file appears whole or not at all (staged, then renamed): rank 0's page reads the other ranks' files
+        # while they may still be writing them.
         trace = folder / f"rank{self.rank}.trace.json"
-        profiler.export_chrome_trace(str(trace))
-        steps = breakdown(json.loads(trace.read_text())["traceEvents"])
-        (folder / f"rank{self.rank}.steps.json").write_text(json.dumps(steps, indent=1))
+        staged = folder / f".{trace.name}.tmp-{os.getpid()}"
+        try:
+            profiler.export_chrome_trace(str(staged))
+            events = json.loads(staged.read_text())["traceEvents"]
+            os.replace(staged, trace)
+        finally:
+            staged.unlink(missing_ok=True)
+        steps = breakdown(events)
+        write_atomically(
+            folder / f"rank{self.rank}.steps.json", lambda f: f.write(json.dumps(steps, indent=1).encode())
+        )
         self.outputs = {"folder": str(folder), "trace": str(trace), "summaries": [s["summary"] for s in steps]}
         if self.rank == 0:
             page = folder / "timeline.html"
-            page.write_text(render_html(folder, steps))
+            html_text = render_html(folder, steps)
+            write_atomically(page, lambda f: f.write(html_text.encode()))
             self.outputs["html"] = str(page)
             s = steps[len(steps) // 2]["summary"] if steps else {}
             self.say(

@@ -9,7 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sgdtp.timeline import CLOSURE_LABEL, OPTIMIZER_LABEL, Timeline, breakdown, label, labelled
+from lightning_sgdtp.timeline import (
+    CLOSURE_LABEL,
+    OPTIMIZER_LABEL,
+    Timeline,
+    breakdown,
+    label,
+    labelled,
+    render_html,
+)
 
 
 def test_records_the_steps_asked_for_and_writes_trace_breakdown_and_page(tmp_path: Path) -> None:
@@ -47,6 +55,18 @@ def test_records_the_steps_asked_for_and_writes_trace_breakdown_and_page(tmp_pat
     assert "Breakdown per step" in page and "<svg" in page and "rank0.trace.json" in page
     assert "timeline of steps 2..3" in lines[0]
     assert timeline.describe()["html"].endswith("timeline.html")
+
+
+def test_the_page_reads_only_whole_files_of_the_other_ranks(tmp_path: Path) -> None:
+    """Rank 0 writes the page while rank 1 may be writing its breakdown (a race seen on a loaded CI machine: rank 0
+    read an empty ``rank1.steps.json``). A rank's files appear under their names only when whole (staged, renamed):
+    a staging file is never read."""
+    (tmp_path / ".rank1.steps.json.tmp-999").write_text('[{"summary": {"st')  # rank 1, mid-write
+    page = render_html(tmp_path, [])
+    assert "Breakdown per step" in page
+    (tmp_path / "rank1.steps.json").write_text("")  # what the old direct write_text exposed: an empty file
+    with pytest.raises(json.JSONDecodeError):
+        render_html(tmp_path, [])
 
 
 def ev(name: str, ts: float, dur: float, tid: int = 1, dims: list | None = None) -> dict:
