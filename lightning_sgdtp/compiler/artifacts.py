@@ -129,11 +129,14 @@ def install_atomic_builds() -> None:
 
 # --------------------------------------------------------------------------------------------- compile lock
 class CompileLock:
-    """An exclusive file lock across the processes of a node, re-entrant within one (a compile inside a compile).
+    """One compile at a time per graph across the processes of a node; re-entrant within one (a compile inside a
+    compile).
 
-    Ranks that compile the same graphs (the data-parallel replicas of one tensor-parallel coordinate) take turns:
-    the first compiles, the others then find every graph in the cache instead of compiling it again. Taken per
-    compile, never across a collective, so it cannot deadlock the ranks; a holder that dies releases it (flock).
+    Ranks that compile the same graphs (data-parallel replicas) arrive at each compile at about the same time. The
+    first to take the lock compiles, holding it. Each one that finds it held waits for it (at most ``wait_s``), lets
+    it go at once and compiles then: the graph is in the cache, and the followers load it side by side, so the last
+    of them reaches the first collective a cache load after the leader, not one load per rank after it. Never held
+    across a collective, so it cannot deadlock the ranks; a holder that dies releases it (flock).
     """
 
     def __init__(self, path: Path, wait_s: float | None = None) -> None:
@@ -152,18 +155,25 @@ class CompileLock:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
-            locked = self._acquire(f)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                leader = True
+            except BlockingIOError:
+                leader = False
+                if self._wait(f):
+                    fcntl.flock(f, fcntl.LOCK_UN)  # the leader is done: compile beside the other followers
             self._depth.n = 1
             try:
                 yield
             finally:
                 self._depth.n = 0
-                if locked:
+                if leader:
                     fcntl.flock(f, fcntl.LOCK_UN)
 
-    def _acquire(self, f: Any) -> bool:
-        """Wait for the lock, at most ``wait_s`` (None: as long as it takes). A holder that hangs never hangs the
-        others past that bound: they then compile without it (the same graphs twice, never a wrong one)."""
+    def _wait(self, f: Any) -> bool:
+        """Wait for the leader to let go, at most ``wait_s`` (None: as long as it takes). A leader that hangs never
+        hangs the others past that bound: they then compile without waiting (the same graph twice, never a wrong
+        one)."""
         if self.wait_s is None:
             fcntl.flock(f, fcntl.LOCK_EX)
             return True

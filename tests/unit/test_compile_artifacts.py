@@ -127,3 +127,31 @@ def test_the_compile_lock_is_exclusive_reentrant_and_bounded(tmp_path: Path) -> 
     assert what == "waiter in" and 0.25 < waited < 3, seen  # gave up waiting after wait_s, while the holder held it
     with waiter():  # free again: taken at once
         pass
+
+
+def test_followers_wait_for_the_leader_then_load_side_by_side(tmp_path: Path) -> None:
+    """The leader compiles holding the lock; the ranks that found it held wait for it, then run together (each
+    load from the cache beside the others), not one after another: the last one is not a load per rank late."""
+    import threading
+    import time
+
+    path = tmp_path / "sgdtp-compile.lock"
+    inside: list[tuple[str, float, float]] = []
+
+    def follower(name: str) -> None:
+        with CompileLock(path, wait_s=30)():
+            begin = time.monotonic()
+            time.sleep(0.5)  # a load from the cache
+            inside.append((name, begin, time.monotonic()))
+
+    with CompileLock(path)():  # the leader
+        threads = [threading.Thread(target=follower, args=(n,)) for n in ("a", "b", "c")]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        assert not inside, "a follower ran while the leader compiled"
+    for t in threads:
+        t.join(10)
+    assert len(inside) == 3, inside
+    first_end = min(end for _, _, end in inside)
+    assert all(begin < first_end for _, begin, _ in inside), f"the followers took turns: {inside}"
