@@ -155,10 +155,11 @@ class CompiledStep(StepEngine):
     def _share_compiles(self) -> None:
         """Data parallel alone (replicated or sharded over every rank): every rank compiles the same graphs. On a
         node the first to reach a compile holds a file lock in Inductor's cache folder while it compiles; the others
-        wait for it and then take the graph from the cache side by side, instead of compiling it again at once. With tensor parallel or shard_size the
-        graphs name each rank's own row of groups, and on GPUs each rank's own device: they differ, and the ranks
-        compile side by side as before. A follower waits at most a quarter of ``collective_timeout`` for the leader
-        (then compiles beside it): the lock never makes a rank reach the first collective a timeout late."""
+        wait for it, then take the graph from the cache side by side instead of compiling it again at once. A
+        follower waits at most a quarter of ``collective_timeout`` (then compiles beside the leader): the lock never
+        makes a rank reach the first collective a timeout late. With tensor parallel or shard_size the graphs name
+        each rank's own row of groups, and on GPUs each rank's own device: they differ, and the ranks compile side
+        by side as before."""
         lock = CompileLock(Path(cache_dir()) / "sgdtp-compile.lock", self.config.collective_timeout / 4)
         for compiler in filter(None, (self.compiler, self.accumulating_compiler)):
             compiler.compile_lock = lock
