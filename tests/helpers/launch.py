@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,7 @@ def group_alive(pgid: int) -> bool:
 #: import) runs the job in a fresh interpreter.
 RUNTIME_ONLY = re.compile(r"MASTER_ADDR|MASTER_PORT|NODE_RANK|SGDTP_\w+")
 _ZYGOTE: list[Zygote] = []
+_ZYGOTE_START = threading.Lock()  # the docs blocks run two at a time: one zygote for both
 
 
 def zygote_for(env: dict[str, str]) -> Zygote | None:
@@ -113,23 +115,35 @@ def zygote_for(env: dict[str, str]) -> Zygote | None:
     ``env`` can run in a process forked from it; else None. ``SGDTP_TEST_NO_ZYGOTE=1`` turns it off."""
     if os.environ.get("SGDTP_TEST_NO_ZYGOTE") == "1":
         return None
-    if not _ZYGOTE or not _ZYGOTE[0].alive():
-        _ZYGOTE[:] = [Zygote(job_env())]
-        atexit.register(_ZYGOTE[0].close)
+    with _ZYGOTE_START:
+        if not _ZYGOTE or not _ZYGOTE[0].alive():
+            _ZYGOTE[:] = [Zygote(job_env())]
+            atexit.register(_ZYGOTE[0].close)
     base = _ZYGOTE[0].env
     differ = {k for k in env.keys() | base.keys() if env.get(k) != base.get(k)}
     return _ZYGOTE[0] if all(RUNTIME_ONLY.fullmatch(k) for k in differ) else None
 
 
+def run_python(
+    args: list[str], env: dict[str, str], timeout: float, merge_stderr: bool = True
+) -> tuple[int, str, str, bool]:
+    """Run ``python ARGS`` to its end or ``timeout`` s, then kill its whole process group: forked from the zygote when
+    ``env`` allows (``zygote_for``: the same script, arguments and environment, without paying the import again),
+    else in a fresh interpreter. Returns (exit status, stdout, stderr: "" when merged, timed_out)."""
+    zygote = zygote_for(env)
+    if zygote is not None:
+        return zygote.run(args, env, timeout, merge_stderr)
+    proc = start([sys.executable, *args], env, merge_stderr)
+    out, err, timed_out = finish(proc, timeout)
+    return proc.returncode, out, err, timed_out
+
+
 def run(cmd: list[str], timeout: float = 420, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` to completion (stderr merged into stdout); a timeout fails the test with the output tail.
-
-    ``python ...`` runs in a process forked from the zygote when its environment allows (``zygote_for``): the same
-    script, arguments and environment, without paying the import again."""
+    ``python ...`` goes through :func:`run_python`."""
     env = env or job_env()
-    zygote = zygote_for(env) if cmd[0] == sys.executable else None
-    if zygote is not None:
-        returncode, out, _, timed_out = zygote.run(cmd[1:], env, timeout, merge_stderr=True)
+    if cmd[0] == sys.executable:
+        returncode, out, _, timed_out = run_python(cmd[1:], env, timeout)
     else:
         proc = start(cmd, env)
         out, _, timed_out = finish(proc, timeout)

@@ -13,7 +13,6 @@ a fresh interpreter per block, issue 22).
 from __future__ import annotations
 
 import re
-import sys
 import tempfile
 import textwrap
 import time
@@ -23,8 +22,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO
-from helpers.launch import finish, job_env, start, zygote_for
-from helpers.zygote import Zygote
+from helpers.launch import job_env, run_python
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BLOCK_TIMEOUT = 300  # a 4-process example took 138 s with the suite running beside it
@@ -82,19 +80,14 @@ PYTHON = [b for b in ALL if b.lang == "python"]
 RUNNABLE = [b for b in PYTHON if b.runs]
 
 
-def run_block(zygote: Zygote | None, block: Block) -> tuple[int, str, str, float]:
-    """Run one block as a script in a fresh process (forked from ``zygote``, else a new interpreter); kill its whole
-    process group on timeout."""
+def run_block(block: Block) -> tuple[int, str, str, float]:
+    """Run one block as a script in a fresh process (``helpers.launch.run_python``); kill its whole process group
+    on timeout."""
     with tempfile.TemporaryDirectory(prefix="sgdtp-doc-") as tmp:
         script = Path(tmp) / f"block_{block.path.stem}_{block.line}.py"
         script.write_text(block.code)
         begin = time.monotonic()
-        if zygote is not None:
-            rc, out, err, timed_out = zygote.run([str(script)], job_env(), BLOCK_TIMEOUT)
-        else:
-            proc = start([sys.executable, str(script)], env=job_env(), merge_stderr=False)
-            out, err, timed_out = finish(proc, BLOCK_TIMEOUT)
-            rc = proc.returncode
+        rc, out, err, timed_out = run_python([str(script)], job_env(), BLOCK_TIMEOUT, merge_stderr=False)
         if timed_out:
             return -9, out, err + f"\n[timed out after {BLOCK_TIMEOUT}s]", time.monotonic() - begin
         return rc, out, err, time.monotonic() - begin
@@ -103,9 +96,8 @@ def run_block(zygote: Zygote | None, block: Block) -> tuple[int, str, str, float
 @pytest.fixture(scope="module")
 def results() -> dict[str, tuple[int, str, str, float]]:
     """All runnable blocks, two at a time, run once for the module."""
-    zygote = zygote_for(job_env())
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip([b.id for b in RUNNABLE], pool.map(lambda b: run_block(zygote, b), RUNNABLE)))
+        return dict(zip([b.id for b in RUNNABLE], pool.map(run_block, RUNNABLE)))
 
 
 def test_docs_exist_and_have_runnable_blocks() -> None:

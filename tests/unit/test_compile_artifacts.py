@@ -105,7 +105,7 @@ def test_same_model_and_plugin_share_graphs_an_edited_plugin_does_not(monkeypatc
 
 
 def test_the_compile_lock_is_exclusive_reentrant_and_bounded(tmp_path: Path) -> None:
-    """Replicas take turns; a holder that hangs delays the others at most ``wait_s``, then they compile alone."""
+    """One compile at a time; a leader that hangs delays the others at most ``wait_s``, then they compile beside it."""
     import threading
     import time
 
