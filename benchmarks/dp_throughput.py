@@ -230,9 +230,14 @@ def _worker(
             # The compiler's switch for gradient accumulation: graphs compiled without collectives (the first
             # step compiles after this hook). The ledger (sgdtp's after-backward fallback, and its per-step
             # agreement all-reduce) made a no-op: the same compiled step, and its graph walk, without communication.
+            import dataclasses
+
             from lightning_sgdtp.ledger import Agreement, BackwardRecord
 
-            strategy.engine.compiler.in_graph_sync = False
+            # The compiler's settings are fixed when the engine makes it (before this hook): a benchmark-only
+            # replacement of the frozen value, before the first step compiles.
+            compiler = strategy.engine.compiler
+            compiler.settings = dataclasses.replace(compiler.settings, in_graph_sync=False)
             ledger = strategy.ledger
             ledger.start_agreement = lambda *args, **kwargs: Agreement(ledger, None, set(), None, BackwardRecord())
             ledger.sync = lambda *args, **kwargs: []

@@ -125,15 +125,16 @@ def worker(rank: int, world: int, port: int, schedule: str, args: argparse.Names
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from lightning_sgdtp.compiler.backend import SGDTPCompiler
-    from lightning_sgdtp.parallel.pipeline import PipelineRunner, stages_per_rank
+    from lightning_sgdtp.compiler.backend import CompileSettings, SGDTPCompiler
+    from lightning_sgdtp.parallel.pipeline import PipelineRunner
     from lightning_sgdtp.parallel.pipeline_split import plan_pipeline_split
+    from lightning_sgdtp.parallel.schedules import stages_per_rank
 
     module = build_module(args)
     stages = world * stages_per_rank(schedule, None)
     split = plan_pipeline_split(module, stages)
-    compiler = SGDTPCompiler()
-    compiler.in_graph_sync = False  # one pipeline, no data parallel: nothing to average (as the strategy decides)
+    # One pipeline, no data parallel: nothing to average (as the strategy's plan decides).
+    compiler = SGDTPCompiler(settings=CompileSettings(in_graph_sync=False))
     prepare = (lambda stage: stage.compile(backend=compiler)) if args.compile else None
     runner = PipelineRunner(module, split, schedule, args.chunks, dist.group.WORLD, torch.device("cpu"), prepare)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)

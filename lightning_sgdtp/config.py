@@ -9,14 +9,23 @@ with a message that names the option and the fix.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import textwrap
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from lightning_sgdtp.parallel.schedules import SCHEDULES, check_chunks, default_micro_batches, pipeline_stages
 
 PARALLELISMS = ("data", "tensor", "hybrid")
 TP_STYLES = ("colwise", "rowwise", "colwise_gather", "replicate")
 GRAD_COMM_DTYPES = {"fp32": None, "float32": None, "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
+
+#: ``debug_skip_sync`` values: the negative controls.
+DEBUG_SKIPS = (None, "dp-sync", "reduce-scatter")
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
@@ -105,6 +114,11 @@ class SGDTPConfig:
         profile_steps: ``(first, last)``: record optimizer steps ``first`` .. ``last`` (inclusive) with
             torch.profiler on every rank and write a timeline (a trace per rank for Perfetto / Chrome, and one HTML
             page of a step) into ``sgdtp_timeline/`` next to the logs. See ``docs/speed.md``.
+        debug_skip_sync: a negative control, for tests: ``"dp-sync"`` (no data-parallel gradient averaging at all)
+            or ``"reduce-scatter"`` (the sharded parameters' gradients not reduced; the compile-time proof must then
+            fail). Training is wrong on purpose: it acts only with ``SGDTP_DEBUG_OPTIONS=1`` in the environment (the
+            test suite sets it) and is refused with a warning otherwise. Shown in the plan. See
+            ``docs/options.md``.
     """
 
     parallelism: Literal["data", "tensor", "hybrid"] = "data"
@@ -134,6 +148,7 @@ class SGDTPConfig:
     sharding: str = "none"
     param_gather_dtype: str | None = None
     shard_size: int | str | None = None
+    debug_skip_sync: str | None = None
 
     def __post_init__(self) -> None:
         if self.parallelism not in PARALLELISMS:
@@ -167,6 +182,16 @@ class SGDTPConfig:
                 " (fused kernel or compiled step where possible), 'fused', 'compiled' or 'eager' (as configured)."
             )
         self._check_profile_steps()
+        if self.debug_skip_sync not in DEBUG_SKIPS:
+            raise SGDTPConfigError(
+                f"debug_skip_sync={self.debug_skip_sync!r} is not known. Use None, 'dp-sync' or 'reduce-scatter' (a"
+                " negative control for tests: training is wrong on purpose)."
+            )
+        if self.debug_skip_sync == "reduce-scatter" and not self.sharded:
+            raise SGDTPConfigError(
+                "debug_skip_sync='reduce-scatter' applies to sharded parameters: set sharding='full' or 'optimizer'"
+                " (or use 'dp-sync')."
+            )
         for name in ("overlap", "activation_checkpointing", "broadcast_buffers", "verify_artifacts"):
             if not isinstance(getattr(self, name), bool):
                 raise SGDTPConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
@@ -213,8 +238,6 @@ class SGDTPConfig:
         return self.pipeline_stages is not None or self.pipeline_chunks is not None
 
     def _check_pipeline(self) -> None:
-        from lightning_sgdtp.parallel.pipeline import SCHEDULES
-
         stages, chunks, per_rank = self.pipeline_stages, self.pipeline_chunks, self.pipeline_stages_per_rank
         if not self.pipelined:
             for name, default in (
@@ -279,9 +302,7 @@ class SGDTPConfig:
 
     def check_pipeline_sizes(self, ranks: int) -> None:
         """What depends on the number of ranks per pipeline (known here, or once the world size is)."""
-        from lightning_sgdtp.parallel.pipeline import check_chunks, stages_per_rank
-
-        stages = ranks * stages_per_rank(self.pipeline_schedule, self.pipeline_stages_per_rank)
+        stages = pipeline_stages(ranks, self.pipeline_schedule, self.pipeline_stages_per_rank)
         if self.pipeline_split is not None and len(self.pipeline_split) != stages - 1:
             raise SGDTPConfigError(
                 f"pipeline_split has {len(self.pipeline_split)} names for {stages} stages: give {stages - 1}, the"
@@ -294,11 +315,9 @@ class SGDTPConfig:
     def pipeline_micro_batches(self, ranks: int) -> int:
         """Micro-batches per step: ``pipeline_chunks``, or its default (two per stage) for ``ranks`` ranks per
         pipeline."""
-        from lightning_sgdtp.parallel.pipeline import stages_per_rank
-
         if self.pipeline_chunks is not None:
             return self.pipeline_chunks
-        return 2 * ranks * stages_per_rank(self.pipeline_schedule, self.pipeline_stages_per_rank)
+        return default_micro_batches(ranks, self.pipeline_schedule, self.pipeline_stages_per_rank)
 
     def _check_tensor_parallel(self) -> None:
         size, plan = self.tensor_parallel_size, self.tp_plan
@@ -423,6 +442,22 @@ class SGDTPConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def check_single_graph(self) -> None:
+        """What ``torch.compile(model, backend="sgdtp", options=...)`` cannot do alone: it compiles one graph in one
+        process over the default group, with no mesh and no schedule."""
+        if self.pipelined:
+            raise SGDTPConfigError(
+                'torch.compile(backend="sgdtp") compiles one graph in one process; pipeline parallelism'
+                " (pipeline_chunks / pipeline_stages) runs stages on several ranks under a schedule. Train with"
+                " Trainer(strategy=SGDTPStrategy(options=...)) and the same options dict, or drop the pipeline options."
+            )
+        if self.parallelism == "hybrid":
+            raise SGDTPConfigError(
+                'torch.compile(backend="sgdtp") with "strategy": "hybrid" cannot know your data-parallel group. Train'
+                ' with Trainer(strategy=SGDTPStrategy(parallelism="hybrid")), or pass the backend object itself:'
+                ' torch.compile(module.forward, backend=SGDTPCompiler(config, group=mesh["dp"].get_group())).'
+            )
+
     @classmethod
     def from_options(cls, options: dict[str, Any] | None = None, **overrides: Any) -> SGDTPConfig:
         """Build a config from the design documents' ``torch.compile`` options dict.
@@ -463,6 +498,31 @@ class SGDTPConfig:
             raise SGDTPConfigError(f"unknown option(s) {sorted(unknown)}. Known options: {sorted(fields)}.")
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+def strategy_signature(init: Callable[..., None]) -> inspect.Signature:
+    """``SGDTPStrategy.__init__`` as LightningCLI and ``help()`` see it: its own parameters (``options``, Lightning's),
+    then every option as a keyword-only parameter typed as its field (``None``: the option's default). An option
+    is declared once, as a field here."""
+    own = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    hints = typing.get_type_hints(SGDTPConfig)
+    options = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hints[f.name] | None)
+        for f in dataclasses.fields(SGDTPConfig)
+    ]
+    return inspect.Signature([*own, *options])
+
+
+def strategy_docs() -> str:
+    """``SGDTPStrategy.__init__``'s ``Args:``: ``options``, then each option's help text from :class:`SGDTPConfig`."""
+    doc = inspect.cleandoc(SGDTPConfig.__doc__ or "")
+    entries = textwrap.dedent(doc[doc.index("Args:") + len("Args:") :].strip("\n"))
+    head = (
+        'options: the design documents\' ``{"distributed": {"plugin": "sgdtp", "strategy": "data", ...}}``;'
+        " explicit keyword arguments win over it."
+    )
+    summary = "The strategy's options: ``options`` and every field of :class:`SGDTPConfig` (``docs/options.md``)."
+    return f"{summary}\n\nArgs:\n" + textwrap.indent(f"{head}\n{entries}", "    ") + "\n"
 
 
 def check_process_group_backend(name: str | None) -> None:

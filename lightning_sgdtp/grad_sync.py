@@ -18,7 +18,7 @@ The sequence, in this order:
 - **at the optimizer step**: close the step and prove that every gradient the optimizer steps was averaged
   exactly once.
 
-``SGDTP_NEGATIVE_CONTROL=no-dp-sync`` in the environment switches every data-parallel average off (in-graph
+``enabled=False`` (the plan's ``debug_skip_sync="dp-sync"``) switches every data-parallel average off (in-graph
 buckets, fallback, the coverage proof; tied-weight sums over a pipeline still run): the tests' negative control,
 which must then disagree with the reference. It says so on rank 0 in capitals.
 """
@@ -26,7 +26,6 @@ which must then disagree with the reference. It says so on rank 0 in capitals.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Generator, Iterable
 
 import torch
@@ -37,21 +36,6 @@ from lightning_sgdtp.compiler.backend import SGDTPCompiler
 from lightning_sgdtp.config import SGDTPConfig
 from lightning_sgdtp.ledger import AccumulatedSync, Agreement, BackwardRecord, GradLedger, walk_autograd_graph
 from lightning_sgdtp.preemption import PreemptionCoordinator
-
-NEGATIVE_CONTROL_ENV = "SGDTP_NEGATIVE_CONTROL"
-NO_DP_SYNC = "no-dp-sync"
-NO_REDUCE_SCATTER = "no-reduce-scatter"
-
-
-def missed_reduce_scatter() -> bool:
-    """The sharding's negative control (``SGDTP_NEGATIVE_CONTROL=no-reduce-scatter``): the sharded parameters'
-    reads drop their gradient reduction; the backend's proof must then refuse the graph."""
-    return os.environ.get(NEGATIVE_CONTROL_ENV) == NO_REDUCE_SCATTER
-
-
-def negative_control() -> bool:
-    """Whether the tests' negative control asks to skip every data-parallel gradient average."""
-    return os.environ.get(NEGATIVE_CONTROL_ENV) == NO_DP_SYNC
 
 
 def plain_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:
@@ -70,15 +54,17 @@ class GradSync:
 
     Args:
         named_parameters: the LightningModule's parameters, in the same order on every rank.
-        compiler: the ``"sgdtp"`` backend of this run (which parameters its graphs average).
+        compiler: the ``"sgdtp"`` backend of this run (which parameters its graphs average; whether compiled
+            backwards average in the graph at all, ``compiler.in_graph_sync``: else one fallback sync after the last
+            micro-batch, the pipelined engine's accumulation).
         group: the data-parallel process group (None: the world).
         config: the options (bucket size, wire dtype).
-        in_graph: whether compiled backwards average in the graph. False: one fallback sync after the last
-            micro-batch (the pipelined engine's accumulation). With ``accumulation`` the earlier micro-batches run
-            graphs without collectives (the engine's second compiler) and their sum is averaged during the last.
-        accumulation: gradients are accumulated over micro-batches (``accumulate_grad_batches > 1``).
         say: logs one line on rank 0.
         preemption: SLURM's preemption agreement, carried by the collectives here.
+        accumulation: gradients are accumulated over micro-batches (``accumulate_grad_batches > 1``): the earlier
+            micro-batches run graphs without collectives (the engine's second compiler) and their sum is averaged
+            during the last.
+        enabled: average over the data-parallel group (False: the plan's ``debug_skip_sync="dp-sync"`` control).
     """
 
     def __init__(
@@ -87,10 +73,10 @@ class GradSync:
         compiler: SGDTPCompiler,
         group: dist.ProcessGroup | None,
         config: SGDTPConfig,
-        in_graph: bool,
         say: Callable[[str], None],
         preemption: PreemptionCoordinator | None = None,
         accumulation: bool = False,
+        enabled: bool = True,
     ) -> None:
         from lightning_sgdtp.parallel.sharding import MARK
 
@@ -106,9 +92,8 @@ class GradSync:
         self.group = group
         self.say = say
         self.preemption = preemption
-        self.enabled = not negative_control()
+        self.enabled = enabled
         self.accumulation = accumulation
-        compiler.in_graph_sync = in_graph and self.enabled
         #: Parameters synced by the fallback after a step in which the graphs should have covered them.
         self.fallback_params: list[str] = []
         self._accumulating = False
@@ -121,7 +106,7 @@ class GradSync:
         self.waits_before_backward = 0
         if not self.enabled:
             say(
-                f"NEGATIVE CONTROL ({NEGATIVE_CONTROL_ENV}={NO_DP_SYNC}): no data-parallel gradient averaging at all;"
+                "NEGATIVE CONTROL (debug_skip_sync='dp-sync'): no data-parallel gradient averaging at all;"
                 " training is WRONG on purpose"
             )
 

@@ -1,7 +1,13 @@
-"""Which rank does what: one ``ParallelLayout`` of pipeline x data x tensor parallel sizes and its rank grid.
+"""Which rank does what: one :class:`ParallelDims` of every parallel dimension, its rank grid and its meshes.
 
-``pp x dp x tp == world_size``, checked with errors that say what divides what. Two shapes of grid exist today
-(pipeline x tensor x data, 3-D, is refused by the config):
+Every dimension is always present (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``ep``; 1 when unused),
+their product is checked once against the world size, with errors that say what divides what, and every mesh and
+process group is built once at setup (:meth:`ParallelDims.build_meshes`) and asked for by name (``dims.dp_group``,
+``dims.tp_mesh``, ...): no engine, pass or report indexes a mesh by a string or builds one.
+
+Data parallel is ``dp = dp_replicate x dp_shard``: the ranks a parameter is split over (``sharding``) and the
+groups of them that hold replicas (``shard_size``: hybrid sharding). Two shapes of grid exist today (pipeline x
+tensor x data, 3-D, is refused by the config):
 
 - tensor / hybrid: a ``dp x tp`` grid, one row per tensor-parallel group. The rows come from
   :func:`lightning_sgdtp.topology.rank_layout`: each group lies on the fastest links of one node; data parallel
@@ -17,34 +23,62 @@ Data parallel alone has no grid: every rank is a replica, the data-parallel grou
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.parallel.schedules import pipeline_stages
 from lightning_sgdtp.topology import Topology, TopologyError, rank_layout
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
-    """Sizes of each parallel dimension and, once known, the grid of global ranks of the 2-D mesh."""
+class Meshes:
+    """The meshes and groups of one :class:`ParallelDims`, built once at setup (every rank builds them together).
+
+    ``world``: the 2-D ``DeviceMesh`` over the grid (``("dp", "tp")`` or ``("pp", "dp")``), None for data parallel
+    alone; ``shard``: what sharded parameters are split over (the ``dp`` mesh, or the 2-D
+    ``("dp_replicate", "dp_shard")`` mesh of hybrid sharding)."""
+
+    world: Any | None = None
+    dp: Any | None = None
+    tp: Any | None = None
+    pp: Any | None = None
+    shard: Any | None = None
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of every parallel dimension, the grid of global ranks and, once built, the meshes."""
 
     world_size: int
     devices_per_node: int
     num_nodes: int = 1
     pp: int = 1
-    dp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    #: Context parallel (sequence split across ranks in attention): room for it; 1 today.
+    cp: int = 1
     tp: int = 1
+    #: Expert parallel (MoE experts split over ranks, inside data parallel): room for it; 1 today.
+    ep: int = 1
     #: Rows of global ranks: tensor-parallel groups (``dp x tp``) or stages (``pp x dp``); None: data parallel.
     grid: list[list[int]] | None = None
-    #: Hybrid sharding (``shard_size``): the data-parallel ranks one parameter is split over (None: all of them);
-    #: consecutive ranks (one node's), replicated across the ``dp // shard`` groups.
-    shard: int | None = None
+    #: With a pipeline: the stages of one pipeline (several per rank with the interleaved schedule) and the
+    #: micro-batches per step; 0 without.
+    stages: int = 0
+    micro_batches: int = 0
+    meshes: Meshes | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if min(self.pp, self.dp, self.tp) < 1 or self.pp * self.dp * self.tp != self.world_size:
+        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep)
+        if min(sizes) < 1 or self.pp * self.dp * self.cp * self.tp != self.world_size:
             raise SGDTPConfigError(
                 f"data-parallel size {self.dp} x tensor-parallel size {self.tp} must equal the world size"
                 f" {self.world_size}: choose a tensor_parallel_size that divides {self.world_size}."
+            )
+        if (self.cp, self.ep) != (1, 1):
+            raise SGDTPConfigError(
+                f"context parallel (cp={self.cp}) and expert parallel (ep={self.ep}) are not built yet."
             )
         if self.devices_per_node % self.tp:
             raise SGDTPConfigError(
@@ -53,6 +87,52 @@ class ParallelLayout:
                 f" tensor_parallel_size that divides {self.devices_per_node}"
                 + (f", e.g. {self.devices_per_node}." if self.devices_per_node <= self.world_size else ".")
             )
+
+    # ------------------------------------------------------------------------------------------- sizes
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: the replicas of one batch (``dp_replicate x dp_shard``)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard(self) -> int | None:
+        """Hybrid sharding: the ranks one parameter is split over (None: all the data-parallel ranks)."""
+        return self.dp_shard if self.hybrid_shard_enabled else None
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def hybrid_shard_enabled(self) -> bool:
+        """Parameters split inside groups of ``dp_shard`` ranks, replicated across ``dp_replicate`` groups."""
+        return self.dp_shard > 1 and self.dp_replicate > 1
+
+    @property
+    def single_process(self) -> bool:
+        return self.world_size == 1
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """A model laid out on a mesh (split or sharded parameters, pipeline stages) is saved as a sharded folder,
+        every rank writing its part; replicas alone write one file from rank 0."""
+        return self.grid is not None
 
     # ------------------------------------------------------------------------------------------ resolve
     @classmethod
@@ -63,8 +143,8 @@ class ParallelLayout:
         devices_per_node: int,
         num_nodes: int = 1,
         topology: Topology | None = None,
-    ) -> ParallelLayout:
-        """The layout the options ask for on this cluster, or an error that says why not.
+    ) -> ParallelDims:
+        """The dimensions the options ask for on this cluster, or an error that says why not.
 
         Without ``topology`` (before any process starts) only the sizes are checked; with it, the grid is built.
         """
@@ -73,13 +153,18 @@ class ParallelLayout:
             pp = pipeline_size(config.pipeline_stages, world_size, num_nodes)
             config.check_pipeline_sizes(pp)
             dp = world_size // pp
-            return cls(**base, pp=pp, dp=dp, grid=[[s * dp + d for d in range(dp)] for s in range(pp)])
+            stages = pipeline_stages(pp, config.pipeline_schedule, config.pipeline_stages_per_rank)
+            return cls(
+                **base, pp=pp, **_data_parallel(config, dp, None), grid=[[s * dp + d for d in range(dp)] for s in range(pp)],
+                stages=stages, micro_batches=config.pipeline_micro_batches(pp),
+            )  # fmt: skip
         if config.parallelism == "data":
             # Sharded: a ("dp", "tp") mesh with tp = 1 (the parameters are DTensors over its dp dimension).
             grid = [[r] for r in range(world_size)] if config.sharded else None
-            return cls(**base, dp=world_size, grid=grid, shard=hybrid_shard_size(config, world_size, devices_per_node))
+            shard = hybrid_shard_size(config, world_size, devices_per_node)
+            return cls(**base, **_data_parallel(config, world_size, shard), grid=grid)
         tp = tensor_parallel_size(config, world_size, devices_per_node, topology)
-        sizes = cls(**base, dp=world_size // tp, tp=tp)  # checked before the topology is asked for a grid
+        sizes = cls(**base, **_data_parallel(config, world_size // tp, None), tp=tp)  # checked before the topology
         if topology is None:
             return sizes
         try:
@@ -90,25 +175,88 @@ class ParallelLayout:
     @classmethod
     def for_cluster(
         cls, config: SGDTPConfig, world_size: int, devices_per_node: int, num_nodes: int, device_type: str
-    ) -> tuple[ParallelLayout, list[str]]:
-        """The layout on the running cluster (the topology read for tensor parallel) and its log lines."""
+    ) -> tuple[ParallelDims, list[str]]:
+        """The dimensions on the running cluster (the topology read for tensor parallel), their meshes built, and
+        their log lines. Every rank must call it (the meshes are collectives)."""
         from lightning_sgdtp import topology
-        from lightning_sgdtp.parallel.pipeline import stages_per_rank
 
         tensor = not config.pipelined and config.parallelism != "data"
         topo = topology.detect(device_type, devices_per_node, num_nodes) if tensor else None
-        layout = cls.resolve(config, world_size, devices_per_node, num_nodes, topo)
+        dims = cls.resolve(config, world_size, devices_per_node, num_nodes, topo).build_meshes(device_type)
         lines = [f"topology: {topo.describe()}"] if topo is not None else []
-        if layout.grid is not None:
-            stages = layout.pp * stages_per_rank(config.pipeline_schedule, config.pipeline_stages_per_rank)
-            lines.append(layout.describe(config, stages, config.pipeline_micro_batches(layout.pp)))
-        return layout, lines
+        if dims.grid is not None:
+            lines.append(dims.describe(config))
+        return dims, lines
+
+    # ------------------------------------------------------------------------------------------ meshes
+    def build_meshes(self, device_type: str) -> ParallelDims:
+        """These dimensions with every mesh built (collectives: every rank must call it, once, at setup)."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        world = None
+        if self.mesh_dims is not None:
+            world = DeviceMesh(device_type, torch.tensor(self.grid, dtype=torch.int), mesh_dim_names=self.mesh_dims)
+        names = self.mesh_dims or ()
+        dp = world["dp"] if world is not None else None
+        shard = dp
+        if self.hybrid_shard_enabled:  # rows: the groups a parameter is split over
+            grid = torch.arange(self.world_size, dtype=torch.int).reshape(self.dp_replicate, self.dp_shard)
+            shard = DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "dp_shard"))
+        meshes = Meshes(
+            world=world, dp=dp, tp=world["tp"] if "tp" in names else None, pp=world["pp"] if "pp" in names else None,
+            shard=shard,
+        )  # fmt: skip
+        return dataclasses.replace(self, meshes=meshes)
+
+    def _built(self) -> Meshes:
+        if self.meshes is None:
+            raise RuntimeError("ParallelDims.build_meshes() has not run: the meshes are built once, at setup")
+        return self.meshes
+
+    @property
+    def world_mesh(self) -> Any | None:
+        """The 2-D ``DeviceMesh`` (``("dp", "tp")`` or ``("pp", "dp")``); None for data parallel alone."""
+        return self._built().world
+
+    @property
+    def dp_mesh(self) -> Any | None:
+        """The 1-D data-parallel mesh of this rank (None for data parallel alone: the world)."""
+        return self._built().dp
+
+    @property
+    def tp_mesh(self) -> Any | None:
+        """The 1-D tensor-parallel mesh of this rank's group (None without tensor parallel)."""
+        return self._built().tp
+
+    @property
+    def shard_mesh(self) -> Any | None:
+        """What sharded parameters are split over: the data-parallel mesh, or hybrid sharding's 2-D mesh."""
+        return self._built().shard
+
+    @property
+    def dp_tp_mesh(self) -> Any | None:
+        """With tensor parallel, the ``("dp", "tp")`` mesh a split parameter is sharded over (a 2-D DTensor)."""
+        return self._built().world if self.tp_enabled else None
+
+    @property
+    def dp_group(self) -> Any:
+        """This rank's data-parallel process group (the world's for data parallel alone)."""
+        import torch.distributed as dist
+
+        dp = self._built().dp
+        return dp.get_group() if dp is not None else dist.group.WORLD
+
+    @property
+    def pp_group(self) -> Any:
+        """This rank's pipeline process group (the ranks of its pipeline)."""
+        return self._built().pp.get_group()
 
     # ---------------------------------------------------------------------------------------- queries
     @property
     def mesh_dims(self) -> tuple[str, str] | None:
         """Names of the 2-D mesh's dimensions: ``("pp", "dp")``, ``("dp", "tp")``, or None (no mesh)."""
-        if self.pp > 1:
+        if self.pp_enabled:
             return ("pp", "dp")
         return ("dp", "tp") if self.grid is not None else None
 
@@ -119,7 +267,7 @@ class ParallelLayout:
         for row, ranks in enumerate(self.grid):
             if rank in ranks:
                 col = ranks.index(rank)
-                return {"pp": row, "dp": col, "tp": 0} if self.pp > 1 else {"pp": 0, "dp": row, "tp": col}
+                return {"pp": row, "dp": col, "tp": 0} if self.pp_enabled else {"pp": 0, "dp": row, "tp": col}
         raise ValueError(f"rank {rank} is not in the layout {self.grid}")
 
     def sampler_kwargs(self, rank: int) -> dict[str, int]:
@@ -127,37 +275,17 @@ class ParallelLayout:
         group (or of one pipeline) read the same batches."""
         return {"num_replicas": self.dp, "rank": self.coordinates(rank)["dp"]}
 
-    def build_mesh(self, device_type: str) -> Any | None:
-        """The 2-D ``DeviceMesh`` over the grid (None for data parallel alone). Every rank must call it."""
-        if self.mesh_dims is None:
-            return None
-        import torch
-        from torch.distributed.device_mesh import DeviceMesh
-
-        return DeviceMesh(device_type, torch.tensor(self.grid, dtype=torch.int), mesh_dim_names=self.mesh_dims)
-
-    def build_shard_mesh(self, device_type: str) -> Any | None:
-        """Hybrid sharding: the ``("dp_replicate", "dp_shard")`` mesh (rows: the groups a parameter is split over);
-        None otherwise. Every rank must call it."""
-        if self.shard is None:
-            return None
-        import torch
-        from torch.distributed.device_mesh import DeviceMesh
-
-        grid = torch.arange(self.world_size, dtype=torch.int).reshape(self.dp // self.shard, self.shard)
-        return DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "dp_shard"))
-
-    def describe(self, config: SGDTPConfig, stages: int = 0, micro_batches: int = 0) -> str:
+    def describe(self, config: SGDTPConfig) -> str:
         """The one log line of this decision."""
-        if self.pp > 1:
+        if self.pp_enabled:
             return (
-                f"pipeline: {self.dp} pipeline(s) of {self.pp} ranks ({stages} stages, {config.pipeline_schedule},"
-                f" {micro_batches} micro-batches per step); stage groups (rows, data parallel inside each)"
+                f"pipeline: {self.dp} pipeline(s) of {self.pp} ranks ({self.stages} stages, {config.pipeline_schedule},"
+                f" {self.micro_batches} micro-batches per step); stage groups (rows, data parallel inside each)"
                 f" {self.grid}"
                 + ("; pipelines run across nodes" if self.num_nodes > 1 and self.pp == self.num_nodes else "")
             )
         auto = config.tensor_parallel_size in (None, "auto")
-        if self.tp == 1 and self.shard is not None:
+        if not self.tp_enabled and self.hybrid_shard_enabled:
             groups = [list(range(g * self.shard, (g + 1) * self.shard)) for g in range(self.dp // self.shard)]
             where = " (one node each)" if config.shard_size == "node" else ""
             return (
@@ -165,12 +293,25 @@ class ParallelLayout:
                 f" {self.shard} ranks{where} {groups}, replicated across the groups (sharding={config.sharding},"
                 f" shard_size={config.shard_size!r}: hybrid sharding)"
             )
-        if self.tp == 1:
+        if not self.tp_enabled:
             return f"mesh dp={self.dp}: parameters split over the {self.dp} ranks (sharding={config.sharding})"
         return (
             f"mesh dp={self.dp} x tp={self.tp}: tensor-parallel groups {self.grid} (rows, each inside one node);"
             " data parallel across rows" + (" (tensor_parallel_size='auto': one fast-link island)" if auto else "")
         )
+
+
+#: The name the first waves used; every attribute they read is still here.
+ParallelLayout = ParallelDims
+
+
+def _data_parallel(config: SGDTPConfig, dp: int, shard: int | None) -> dict[str, int]:
+    """``dp_replicate`` x ``dp_shard`` of ``dp`` data-parallel ranks: all replicas (no sharding), one shard group of
+    all of them (sharding), or groups of ``shard`` ranks (hybrid sharding)."""
+    if not config.sharded:
+        return {"dp_replicate": dp, "dp_shard": 1}
+    size = shard or dp
+    return {"dp_replicate": dp // size, "dp_shard": size}
 
 
 def hybrid_shard_size(config: SGDTPConfig, dp: int, devices_per_node: int) -> int | None:

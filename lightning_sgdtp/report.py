@@ -138,6 +138,7 @@ def plan_dict(
         "tensor_parallel_plan": parts.get("tensor_parallel_plan"),
         "pipeline": parts.get("pipeline"),
         "sharding": parts.get("sharding"),
+        "part_plan": parts.get("part_plan"),
         "num_nodes": num_nodes,
         "process_group_backend": process_group_backend,
         "config": config.to_dict(),

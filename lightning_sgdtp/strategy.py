@@ -2,7 +2,7 @@
 
 The only module that imports Lightning (``_registration`` derives the ``pytorch_lightning`` twin from this
 source). Loops, callbacks, logging and checkpoint files stay Lightning's. The strategy owns the processes (as
-``DDPStrategy``) and hands the rest, once, to: the layout (``layout.ParallelLayout``), an engine
+``DDPStrategy``) and hands the rest, once, to: the dimensions and their meshes (``layout.ParallelDims``), an engine
 (``engine.compiled.CompiledStep`` or ``engine.pipelined.PipelinedStep``, each with its ``GradSync``, optimizer
 updates and timeline), the report (``report.PlanReport``), faults and preemption, and checkpoints
 (``checkpoints``). ``docs/how-it-works.md`` follows one step through them.
@@ -46,15 +46,22 @@ from typing_extensions import override
 from lightning_sgdtp import checkpoints, comm, model_settings, rendezvous
 from lightning_sgdtp.checkpoints import ShardedCheckpoints
 from lightning_sgdtp.compiler.artifacts import check_cache_folders
-from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError, check_process_group_backend, check_trainer_plugins
+from lightning_sgdtp.config import (
+    SGDTPConfig,
+    SGDTPConfigError,
+    check_process_group_backend,
+    check_trainer_plugins,
+    strategy_docs,
+    strategy_signature,
+)
 from lightning_sgdtp.engine.base import EngineInputs, StepEngine
 from lightning_sgdtp.engine.compiled import CompiledStep
+from lightning_sgdtp.engine.parallelize import is_tensor_parallel
 from lightning_sgdtp.engine.pipelined import PipelinedStep
-from lightning_sgdtp.engine.prepare import is_tensor_parallel
 from lightning_sgdtp.engine.step_compile import check_not_compiled
 from lightning_sgdtp.faults import FaultGuard
 from lightning_sgdtp.grad_sync import GradSync
-from lightning_sgdtp.layout import ParallelLayout
+from lightning_sgdtp.layout import ParallelDims
 from lightning_sgdtp.ledger import GradLedger
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
 from lightning_sgdtp.preemption import Preempted, PreemptionCoordinator
@@ -63,7 +70,6 @@ from lightning_sgdtp.resume import ResumableLoader
 from lightning_sgdtp.shutdown import ShutdownWatchdog
 from lightning_sgdtp.timeline import CLOSURE_LABEL, OPTIMIZER_LABEL, label, labelled
 
-_OPTIONS = frozenset(SGDTPConfig.__dataclass_fields__)
 _BROADCAST_BUCKET_BYTES = 250 * 2**20
 
 
@@ -110,33 +116,6 @@ class SGDTPStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        parallelism: str | None = None,
-        bucket_cap_mb: float | None = None,
-        grad_comm_dtype: str | None = None,
-        overlap: bool | None = None,
-        activation_checkpointing: bool | None = None,
-        broadcast_buffers: bool | None = None,
-        collective_timeout: float | None = None,
-        rendezvous_timeout: float | None = None,
-        shutdown_grace: float | None = None,
-        verify_artifacts: bool | None = None,
-        trusted_key: str | None = None,
-        signing_key: str | None = None,
-        compile_cache: str | None = None,
-        pipeline_chunks: int | None = None,
-        pipeline_stages: int | None = None,
-        pipeline_schedule: str | None = None,
-        pipeline_split: list[str] | None = None,
-        pipeline_balance: str | None = None,
-        pipeline_stages_per_rank: int | None = None,
-        tensor_parallel_size: Any | None = None,
-        tp_plan: dict[str, str] | None = None,
-        sequence_parallel: bool | None = None,
-        optimizer_update: str | None = None,
-        profile_steps: tuple[int, int] | None = None,
-        sharding: str | None = None,
-        param_gather_dtype: str | None = None,
-        shard_size: int | str | None = None,
         options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -144,8 +123,11 @@ class SGDTPStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
+        **option_values: Any,
     ) -> None:
-        given = {k: v for k, v in locals().items() if k in _OPTIONS and v is not None}
+        # The options' parameters are SGDTPConfig's fields (the signature below is made from them): unknown names
+        # and bad values fail in from_options, with the known names listed.
+        given = {k: v for k, v in option_values.items() if v is not None}
         # Validate first: a bad option fails here, in the launching process, before anything is spawned.
         self._config = config = SGDTPConfig.from_options(options, **given)
         check_process_group_backend(process_group_backend)
@@ -159,8 +141,7 @@ class SGDTPStrategy(ParallelStrategy):
         )
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
-        self._layout: ParallelLayout | None = None
-        self._mesh: Any | None = None
+        self._dims: ParallelDims | None = None
         self._engine: StepEngine | None = None
         self._report = PlanReport()
         self._settings = model_settings.TrainingSettings()
@@ -212,9 +193,14 @@ class SGDTPStrategy(ParallelStrategy):
         return True
 
     @property
-    def layout(self) -> ParallelLayout | None:
-        """pp x dp x tp sizes and the rank grid (known once the processes exist)."""
-        return self._layout
+    def dims(self) -> ParallelDims | None:
+        """Every parallel dimension, the rank grid and the meshes (known once the processes exist)."""
+        return self._dims
+
+    @property
+    def layout(self) -> ParallelDims | None:
+        """The first waves' name of :attr:`dims`."""
+        return self._dims
 
     @property
     def engine(self) -> StepEngine | None:
@@ -231,21 +217,21 @@ class SGDTPStrategy(ParallelStrategy):
 
     @property
     def dp_size(self) -> int:
-        return self._layout.dp if self._layout is not None else self.num_nodes * self.num_processes
+        return self._dims.dp if self._dims is not None else self.num_nodes * self.num_processes
 
     @property
     def device_mesh(self) -> Any | None:
         """The 2-D ``DeviceMesh``: (``"dp"``, ``"tp"``) for ``parallelism="tensor"``/``"hybrid"``, (``"pp"``,
         ``"dp"``) with pipeline parallelism; None for data parallel alone."""
-        return self._mesh
+        return self._dims.world_mesh if self._dims is not None else None
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Sized by the data-parallel group: the ranks of one tensor-parallel group read the same batches.
-        if self._layout is None:
+        if self._dims is None:
             return {"num_replicas": self.dp_size, "rank": self.global_rank}
-        return self._layout.sampler_kwargs(self.global_rank)
+        return self._dims.sampler_kwargs(self.global_rank)
 
     @property
     @override
@@ -266,7 +252,7 @@ class SGDTPStrategy(ParallelStrategy):
     def plan(self) -> dict[str, Any]:
         """Everything the plugin decided, as plain data (also written to ``sgdtp_plan.json`` next to the logs)."""
         return plan_dict(
-            self._config, self._layout, self._engine, self._report.graph_breaks, world_size=self.world_size,
+            self._config, self._dims, self._engine, self._report.graph_breaks, world_size=self.world_size,
             dp_size=self.dp_size, num_nodes=self.num_nodes, process_group_backend=self._process_group_backend,
         )  # fmt: skip
 
@@ -282,7 +268,7 @@ class SGDTPStrategy(ParallelStrategy):
         check_trainer_plugins(None if supported else plugin.__name__, self._layer_sync is not None)
         assert self.cluster_environment is not None
         # Sizes that cannot work fail here, before any process starts.
-        ParallelLayout.resolve(self._config, self.num_nodes * self.num_processes, self.num_processes, self.num_nodes)
+        ParallelDims.resolve(self._config, self.num_nodes * self.num_processes, self.num_processes, self.num_nodes)
         # Always, as DDPStrategy: with processes started by SLURM or torchrun the launcher starts nothing, but it
         # checks devices / num_nodes against the launcher's tasks before anything else happens.
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -317,10 +303,9 @@ class SGDTPStrategy(ParallelStrategy):
             self._watchdog.install()
         # Before any compile: a cache folder that cannot be written fails here, named, on the rank that sees it.
         check_cache_folders(config.compile_cache)
-        if self._layout is None:  # sizes, the rank grid (topology), the device mesh: one line each
+        if self._dims is None:  # sizes, the rank grid (topology), every mesh: built once, one line each
             args = (config, self.world_size, self.num_processes, self.num_nodes, device.type)
-            self._layout, lines = ParallelLayout.for_cluster(*args)
-            self._mesh = self._layout.build_mesh(device.type)
+            self._dims, lines = ParallelDims.for_cluster(*args)
             for line in lines:
                 self._report.say(line)
 
@@ -337,15 +322,12 @@ class SGDTPStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        # Every replica starts from rank 0's weights and buffers, as with DDP.
+        # Every replica starts from rank 0's weights and buffers, as with DDP (a module on its mesh already, from an
+        # earlier trainer function, keeps its values).
         if not is_tensor_parallel(self.model):
             _sync_module_states(self.model, _group.WORLD, _BROADCAST_BUCKET_BYTES, 0, set())
         self._settings = model_settings.for_training(self.model, self._report.say)
         engine = self._engine_for(self.lightning_module)
-        clip = engine.parallelize()
-        if clip is not None:  # the norm over every shard or stage, not this rank's
-            plugin = self.precision_plugin
-            plugin.clip_grad_by_norm = lambda optimizer, value: clip(plugin.main_params(optimizer), value)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             # `trainer.log_dir` broadcasts from rank 0: ask on every rank, here, never from rank 0 alone.
@@ -355,7 +337,11 @@ class SGDTPStrategy(ParallelStrategy):
                 f" {self.num_processes}), data-parallel group of {self.dp_size}, backend={self._process_group_backend},"
                 f" processes from {type(self.cluster_environment).__name__}"
             )
-            engine.setup_training(trainer.accumulate_grad_batches)
+        clip = engine.setup(fitting, trainer.accumulate_grad_batches)
+        if clip is not None:  # the norm over every shard or stage, not this rank's
+            plugin = self.precision_plugin
+            plugin.clip_grad_by_norm = lambda optimizer, value: clip(plugin.main_params(optimizer), value)
+        if fitting:
             self.setup_optimizers(trainer)
             engine.setup_optimizers(self.optimizers)
             if self._preemption is not None and not any(
@@ -372,11 +358,11 @@ class SGDTPStrategy(ParallelStrategy):
 
     def _engine_for(self, module: pl.LightningModule | None) -> StepEngine:
         """The engine of this module, made once: the pipelined one with pipeline options, else the compiled one."""
-        assert module is not None and self._layout is not None
+        assert module is not None and self._dims is not None
         if self._engine is None or self._engine.module is not module:
-            engine_cls = PipelinedStep if self._config.pipelined else CompiledStep
+            engine_cls = PipelinedStep if self._dims.pp_enabled else CompiledStep  # the one choice of engine
             inputs = EngineInputs(
-                self._config, self._layout, self._mesh, self.root_device, self._report, self._guard, self._preemption,
+                self._config, self._dims, self.root_device, self._report, self._guard, self._preemption,
                 self._process_group_backend,
             )  # fmt: skip
             self._engine = engine_cls(module, inputs)
@@ -455,7 +441,7 @@ class SGDTPStrategy(ParallelStrategy):
     # -------------------------------------------------------------------------------------- checkpoints
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._mesh is None:
+        if not self._sharded_checkpoints():
             return super().optimizer_state(optimizer)
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -466,7 +452,7 @@ class SGDTPStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Data parallel: one file, written by rank 0 (atomically). With a mesh: a sharded folder, every rank
         writing its shards or, with a pipeline, its stages (its copy of the others' is stale)."""
-        if self._mesh is None:
+        if not self._sharded_checkpoints():
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(
@@ -486,10 +472,13 @@ class SGDTPStrategy(ParallelStrategy):
             [getattr(o, "_optimizer", o) for o in self.optimizers],
             weights_only,
             lambda p: self.checkpoint_io.load_checkpoint(p, weights_only=weights_only),
-            on_mesh=self._mesh is not None,
-            partial_optimizer=self._layout is not None and self._layout.pp > 1,  # a stage's optimizer: its part
+            on_mesh=self._sharded_checkpoints(),
+            partial_optimizer=self._dims is not None and self._dims.pp_enabled,  # a stage's optimizer: its part
         )
         return rest
+
+    def _sharded_checkpoints(self) -> bool:
+        return self._dims is not None and self._dims.sharded_checkpoints
 
     def _checkpoints(self) -> ShardedCheckpoints:
         return ShardedCheckpoints(self._config, self.global_rank, self.broadcast, self.barrier, self._guard)
@@ -519,7 +508,7 @@ class SGDTPStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if not is_tensor_parallel(self.model):  # a split module (fit, then validate) lives on its mesh's devices
+        if not is_tensor_parallel(self.model):  # a module on its mesh (fit, then validate) stays on its devices
             self.model.to(self.root_device)
 
     @override
@@ -574,7 +563,7 @@ class SGDTPStrategy(ParallelStrategy):
         self._guard.close()
         if self._watchdog is not None:
             self._watchdog.close()
-        if self.lightning_module is not None and is_tensor_parallel(self.lightning_module):
+        if self.lightning_module is not None and is_tensor_parallel(self.lightning_module):  # a module on its mesh
             # As Lightning's ModelParallelStrategy: a split module stays where it is (``module.cpu()`` cannot swap
             # DTensor parameters); the rest of Strategy.teardown.
             assert self.cluster_environment is not None and self.accelerator is not None
@@ -585,6 +574,11 @@ class SGDTPStrategy(ParallelStrategy):
             self.checkpoint_io.teardown()
             return
         super().teardown()
+
+
+# One declaration of each option (SGDTPConfig's field): LightningCLI and help() read these.
+SGDTPStrategy.__init__.__signature__ = strategy_signature(SGDTPStrategy.__init__)  # type: ignore[attr-defined]
+SGDTPStrategy.__init__.__doc__ = strategy_docs()
 
 
 class _PreemptionCheckpoint(Callback):

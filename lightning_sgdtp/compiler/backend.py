@@ -23,6 +23,7 @@ import contextlib
 import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from lightning_sgdtp.compiler.artifacts import PLUGIN_FINGERPRINT, install_atomi
 from lightning_sgdtp.compiler.bucket_cost import CostModel
 from lightning_sgdtp.compiler.buckets import GraphBuckets, insert_bucketed_allreduce
 from lightning_sgdtp.compiler.shard_proof import check_sharded_gradients, count_collectives
-from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.config import SGDTPConfig
 from lightning_sgdtp.parallel.sharding import MARK
 
 PASS_VERSION = "sgdtp-grad-buckets-v1"
@@ -68,6 +69,30 @@ class _CacheSalt(CustomGraphPass):
         return self.key
 
 
+@dataclass(frozen=True)
+class CompileSettings:
+    """How an :class:`SGDTPCompiler` compiles, fixed when it is made (the engine decides it from its part's plan,
+    :func:`~lightning_sgdtp.engine.parallelize.plan_part`; nothing changes it afterwards).
+
+    Args:
+        in_graph_sync: insert the gradient all-reduces into backward graphs (off: the micro-batches of an
+            accumulation that only accumulate, a data-parallel group of one, the ``debug_skip_sync`` control).
+        prove_shards: prove that each sharded parameter's gradient is reduced in the graph (off only for the
+            ``debug_skip_sync="dp-sync"`` control, which trains wrong on purpose).
+        aot_cache: AOTAutograd's cache (off by default: a hit skips this backend's pass, so no graph is reported;
+            the salt keeps other compilers' entries out). The compile cache switches it on and restores the graphs.
+        cost: the measured cost model (``bucket_cap_mb="auto"``): bucket boundaries chosen by it; None: by the cap.
+        compile_lock: held around every compile (one rank of a node compiles, the others then hit the node's
+            cache). Taken per compile, never across a collective.
+    """
+
+    in_graph_sync: bool = True
+    prove_shards: bool = True
+    aot_cache: bool = False
+    cost: CostModel | None = None
+    compile_lock: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
 class SGDTPCompiler:
     """A torch.compile backend that syncs parameter gradients inside the compiled backward.
 
@@ -82,6 +107,7 @@ class SGDTPCompiler:
         on_graph: called with each backward graph's ``GraphBuckets`` as the pass decides them.
         inductor_mode: torch.compile's ``mode``, passed on to Inductor.
         graph_ids: where graph numbers come from (default: a new count from 0).
+        settings: how it compiles (:class:`CompileSettings`; default: every gradient synced in the graph).
     """
 
     def __init__(
@@ -92,32 +118,29 @@ class SGDTPCompiler:
         on_graph: Callable[[GraphBuckets], None] | None = None,
         inductor_mode: str | None = None,
         graph_ids: Iterator[int] | None = None,
+        settings: CompileSettings | None = None,
     ) -> None:
         self.config = config or SGDTPConfig()
+        self.settings = settings or CompileSettings()
         #: torch.compile's ``mode`` ("max-autotune", ...): Inductor's own option set for that mode.
         self.inductor_patches = torch._inductor.list_mode_options(inductor_mode) if inductor_mode else {}
         self.group = group
         self.param_names = dict(param_names or {})
         self.on_graph = on_graph
-        #: Insert collectives into backward graphs. The strategy switches this off when gradients are
-        #: accumulated over micro-batches (then one sync after the last micro-batch is cheaper and correct).
-        self.in_graph_sync = True
         self.graphs: list[GraphBuckets] = []
         self.graph_param_ids: set[int] = set()
         #: Numbers the graphs; shared by the backends of one engine (one id space in the plan).
         self.graph_ids = graph_ids if graph_ids is not None else itertools.count()
-        #: Held around every compile (``compile_cache``: one rank of a node compiles, the others then hit the
-        #: node's cache). Taken per compile, never across a collective.
-        self.compile_lock: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-        #: AOTAutograd's cache: off by default (a hit skips this backend's pass, so no graph is reported; the
-        #: salt keeps other compilers' entries out). The compile cache switches it on and restores the graphs.
-        self.aot_cache = False
-        #: The measured cost model (``bucket_cap_mb="auto"``): bucket boundaries chosen by it; None: by the cap.
-        self.cost: CostModel | None = None
-        #: Prove that each sharded parameter's gradient is reduced in the graph (off only for the negative control).
-        self.prove_shards = True
         #: graph id -> the sharded parameters' collectives in its forward and backward (the plan's sharding entry).
         self.sharded_graphs: dict[int, dict[str, Any]] = {}
+
+    @property
+    def in_graph_sync(self) -> bool:
+        return self.settings.in_graph_sync
+
+    @property
+    def cost(self) -> CostModel | None:
+        return self.settings.cost
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SGDTPCompiler:
         # One backend object per compiled model, holding its process group (which cannot be copied) and what it
@@ -175,7 +198,7 @@ class SGDTPCompiler:
                 record = self.sharded_graphs.setdefault(graph_id, {"graph_id": graph_id})
                 if not kwargs.get("is_backward"):
                     record["collectives_in_forward"] = count_collectives(g.graph)
-                elif self.prove_shards:
+                elif self.settings.prove_shards:
                     record.update(check_sharded_gradients(g.graph, shard_outputs, graph_id))
                 else:
                     record["proof"] = "skipped (negative control)"
@@ -184,7 +207,7 @@ class SGDTPCompiler:
                     " MiB per bucket, overlap-scheduled"
                 )
             if not kwargs.get("is_backward") or not grad_outputs:
-                with self.compile_lock(), _salted(salt), torch._inductor.config.patch(shard_patches):
+                with self.settings.compile_lock(), _salted(salt), torch._inductor.config.patch(shard_patches):
                     return compile_fx_inner(g, inputs, **kwargs)
             outputs = g.graph.output_node().args[0]
             if len(outputs) != offsets[-1]:
@@ -202,7 +225,7 @@ class SGDTPCompiler:
                 self.graphs.append(decided)
                 if self.on_graph is not None:
                     self.on_graph(decided)
-                with self.compile_lock(), _salted(salt):
+                with self.settings.compile_lock(), _salted(salt):
                     return compile_fx_inner(g, inputs, **kwargs)
             if sync:
                 decided = insert_bucketed_allreduce(
@@ -232,7 +255,7 @@ class SGDTPCompiler:
                 "reorder_for_compute_comm_overlap_passes": OVERLAP_PASSES,
             }
             with (
-                self.compile_lock(),  # the backward is compiled lazily, at the first backward: lock here too
+                self.settings.compile_lock(),  # the backward is compiled lazily, at the first backward: lock here too
                 _salted(f"{salt}:{bucket_salt(decided)}"),
                 torch._inductor.config.patch(OURS_ALONE) if sync else contextlib.nullcontext(),
                 torch._inductor.config.patch(overlap) if sync and cfg.overlap else contextlib.nullcontext(),
@@ -240,8 +263,8 @@ class SGDTPCompiler:
             ):
                 return compile_fx_inner(g, inputs, **kwargs)
 
-        aot_cache = torch._functorch.config.patch(enable_autograd_cache=self.aot_cache)
-        with self.compile_lock(), _salted(salt), aot_cache:
+        aot_cache = torch._functorch.config.patch(enable_autograd_cache=self.settings.aot_cache)
+        with self.settings.compile_lock(), _salted(salt), aot_cache:
             return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.inductor_patches)
 
 
@@ -297,24 +320,11 @@ def sgdtp_backend(
     syncs the gradients of the parameters used inside the compiled graphs over the default process group.
     """
     config = SGDTPConfig.from_options(options)
-    compiler = SGDTPCompiler(config, inductor_mode=mode)
-    if config.pipelined:
-        raise SGDTPConfigError(
-            'torch.compile(backend="sgdtp") compiles one graph in one process; pipeline parallelism'
-            " (pipeline_chunks / pipeline_stages) runs stages on several ranks under a schedule. Train with"
-            " Trainer(strategy=SGDTPStrategy(options=...)) and the same options dict, or drop the pipeline options."
-        )
-    if config.parallelism == "hybrid":
-        raise SGDTPConfigError(
-            'torch.compile(backend="sgdtp") with "strategy": "hybrid" cannot know your data-parallel group. Train'
-            ' with Trainer(strategy=SGDTPStrategy(parallelism="hybrid")), or pass the backend object itself:'
-            ' torch.compile(module.forward, backend=SGDTPCompiler(config, group=mesh["dp"].get_group())).'
-        )
-    if config.parallelism == "tensor":
-        # Every rank is in the one tensor-parallel group: no gradient to average. DTensor's own collectives are
-        # traced into the graphs.
-        compiler.in_graph_sync = False
-    return compiler(gm, example_inputs)
+    config.check_single_graph()
+    # parallelism="tensor": every rank is in the one tensor-parallel group, no gradient to average (DTensor's own
+    # collectives are traced into the graphs).
+    settings = CompileSettings(in_graph_sync=config.parallelism == "data")
+    return SGDTPCompiler(config, inductor_mode=mode, settings=settings)(gm, example_inputs)
 
 
 def register_backend() -> None:

@@ -1,7 +1,10 @@
 """What both engines are handed, and the interface the strategy calls them through.
 
-An engine gets plain inputs (:class:`EngineInputs`: options, layout, mesh, device, the report, the fault guard,
-the preemption agreement), never the strategy; the strategy calls only the methods of :class:`StepEngine`.
+An engine gets plain inputs (:class:`EngineInputs`: options, the parallel dimensions and their meshes, device, the
+report, the fault guard, the preemption agreement), never the strategy; the strategy calls only the methods of
+:class:`StepEngine`. An engine decides nothing about the layout itself: it asks
+:func:`~lightning_sgdtp.engine.parallelize.plan_part` and applies the plan with
+:func:`~lightning_sgdtp.engine.parallelize.parallelize`.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from torch import Tensor, nn
 
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
 from lightning_sgdtp.config import SGDTPConfig
-from lightning_sgdtp.engine.prepare import PartPreparation
+from lightning_sgdtp.engine.parallelize import PartPlan
 from lightning_sgdtp.faults import FaultGuard
 from lightning_sgdtp.grad_sync import GradSync
-from lightning_sgdtp.layout import ParallelLayout
+from lightning_sgdtp.layout import ParallelDims
 from lightning_sgdtp.optim import OptimizerUpdates
 from lightning_sgdtp.preemption import PreemptionCoordinator
 from lightning_sgdtp.report import PlanReport
@@ -41,8 +44,7 @@ class EngineInputs:
 
     Args:
         config: the options.
-        layout: pp x dp x tp sizes and the rank grid.
-        mesh: the 2-D ``DeviceMesh`` (``("dp", "tp")`` or ``("pp", "dp")``), or None for data parallel alone.
+        dims: every parallel dimension, the rank grid and the meshes (built).
         device: this rank's device.
         report: where decisions are logged and graphs announced.
         guard: names the phase of each collective (faults).
@@ -51,8 +53,7 @@ class EngineInputs:
     """
 
     config: SGDTPConfig
-    layout: ParallelLayout
-    mesh: Any | None
+    dims: ParallelDims
     device: torch.device
     report: PlanReport
     guard: FaultGuard
@@ -65,9 +66,12 @@ class StepEngine(ABC):
 
     def __init__(self, module: nn.Module, inputs: EngineInputs) -> None:
         self.module, self.inputs = module, inputs
-        self.config, self.layout, self.mesh, self.device = inputs.config, inputs.layout, inputs.mesh, inputs.device
+        self.config, self.dims, self.device = inputs.config, inputs.dims, inputs.device
         self.report, self.guard, self.preemption = inputs.report, inputs.guard, inputs.preemption
         self.compiler: SGDTPCompiler | None = None
+        #: The plan of the whole module (the compiled engine's part, or the pipelined module before its split).
+        self.part_plan: PartPlan | None = None
+        self.shard_plan: Any | None = None
         self.grad_sync: GradSync | None = None
         #: Blocks wrapped for activation checkpointing (names).
         self.checkpointed: list[str] = []
@@ -83,12 +87,9 @@ class StepEngine(ABC):
 
     # ------------------------------------------------------------------------------------------ setup
     @abstractmethod
-    def parallelize(self) -> Clip | None:
-        """Lay the module out (any trainer function). Returns the clipping function, or None for Lightning's."""
-
-    @abstractmethod
-    def setup_training(self, accumulate: int) -> None:
-        """What training adds (``trainer.fit`` only): the backend, the gradient sync, their log lines."""
+    def setup(self, fitting: bool, accumulate: int) -> Clip | None:
+        """Plan the module's layout and apply it (any trainer function; fitting adds the backend, the gradient sync
+        and their log lines). Returns the clipping function, or None for Lightning's."""
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """After Lightning made the optimizers (fitting): their update, and the timeline if asked for."""
@@ -97,22 +98,12 @@ class StepEngine(ABC):
             folder = lambda: self.report.folder or Path.cwd()
             self.timeline = Timeline(self.config.profile_steps, folder, self.report.rank, self.report.say)
 
-    def _sharding(self, dp_mesh: Any, full_mesh: Any | None) -> PartPreparation:
-        """The sharding step of a part's preparation, from the options."""
-        config = self.config
-        full = full_mesh if self.layout.tp > 1 else None
-        return PartPreparation(
-            sharding=config.sharding, dp_mesh=dp_mesh, full_mesh=full, gather_dtype=config.gather_dtype,
-            reduce_dtype=config.wire_dtype,
-        )  # fmt: skip
-
-    def sharding_plan(self, plans: list[Any]) -> dict[str, Any] | None:
-        """``plan["sharding"]``: the layout, the bytes per rank, the collectives of each graph."""
-        if not plans:
-            return None
+    def sharding_plan(self) -> dict[str, Any] | None:
+        """``plan["sharding"]``: the layout, the bytes per rank, the collectives of each graph (None: not sharded)."""
         compilers = [c for c in (self.compiler, getattr(self, "accumulating_compiler", None)) if c is not None]
         graphs = sorted((g for c in compilers for g in c.sharded_graphs.values()), key=lambda g: g["graph_id"])
-        return {"parts": [p.to_dict() for p in plans], "collectives_per_graph": graphs, "held_bytes": self.held}
+        parts = [p.to_dict() for p in (self.shard_plan,) if p is not None]
+        return {"parts": parts, "collectives_per_graph": graphs, "held_bytes": self.held} if parts else None
 
     def program(self) -> dict[str, Any]:
         """``plan["step_program"]``: which parts of a training step are compiled, and why any part is not."""
@@ -184,7 +175,7 @@ class StepEngine(ABC):
         if self.grad_sync is not None:
             with label("sgdtp: coverage"):
                 self.grad_sync.at_optimizer_step(optimizer)
-        if self.config.sharded and self.held is None:
+        if self.shard_plan is not None and self.held is None:  # sharding: what a rank holds, counted once
             from lightning_sgdtp.parallel.sharding import held_bytes
 
             self.held = held_bytes(self.module, [optimizer])

@@ -1,11 +1,13 @@
-"""The pipelined engine: split the LightningModule into stages, prepare each stage the way the compiled engine
-prepares the whole module (:func:`~lightning_sgdtp.engine.prepare.prepare_part`: activation checkpointing, then
-compile through the ``"sgdtp"`` backend over the stage's data-parallel group), and run them under a schedule of
-``torch.distributed.pipelining`` (:class:`~lightning_sgdtp.parallel.pipeline.PipelineRunner`).
+"""The pipelined engine: split the LightningModule into stages, parallelize each stage the way the compiled engine
+parallelizes the whole module (:func:`~lightning_sgdtp.engine.parallelize.parallelize`: its sharded reads,
+activation checkpointing, then compile through the ``"sgdtp"`` backend over the stage's data-parallel group), and
+run them under a schedule of ``torch.distributed.pipelining`` (:class:`~lightning_sgdtp.parallel.pipeline.PipelineRunner`).
 
-Setup, in order: the LightningModule contract checked; the split planned (plain data, logged); the backend and
-its :class:`~lightning_sgdtp.grad_sync.GradSync` over the stage's data-parallel group; the runner, which traces
-and prepares the stages at the first step (and again for each new micro-batch shape).
+Setup, in order: the LightningModule contract checked; the split planned (plain data, logged); with sharding, the
+whole module sharded over each stage's replicas (its part plan: the optimizer Lightning makes next steps those
+shards, and the stages are traced from it only at the first step); the backend and its
+:class:`~lightning_sgdtp.grad_sync.GradSync` over the stage's data-parallel group; the runner, which traces and
+parallelizes the stages at the first step (and again for each new micro-batch shape).
 
 One training step: Lightning's ``zero_grad`` (deferred here: the schedule runs backward inside
 ``training_step``), the stage buffers broadcast over the replicas, the schedule (forward and backward of every
@@ -26,15 +28,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.utils import _sync_params_and_buffers
 
-from lightning_sgdtp.compiler.backend import SGDTPCompiler
+from lightning_sgdtp.compiler.backend import CompileSettings, SGDTPCompiler
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfigError
 from lightning_sgdtp.engine.base import BROADCAST_BUCKET_BYTES, EngineInputs, StepEngine
-from lightning_sgdtp.engine.prepare import PartPreparation, prepare_part
-from lightning_sgdtp.grad_sync import GradSync, missed_reduce_scatter
+from lightning_sgdtp.engine.parallelize import parallelize, plan_part, sync_line, tracing
+from lightning_sgdtp.grad_sync import GradSync
 from lightning_sgdtp.parallel.clipping import clip_pipeline_grad_norm_
-from lightning_sgdtp.parallel.pipeline import PipelineRunner, check_pipeline_contract, replay_logs, stages_per_rank
+from lightning_sgdtp.parallel.pipeline import PipelineRunner, check_pipeline_contract, replay_logs
 from lightning_sgdtp.parallel.pipeline_split import PipelineSplit, PipelineSplitError, plan_pipeline_split
-from lightning_sgdtp.parallel.sharding import ShardPlan, is_sharded, share_reads, whole_for_tracing
 
 
 class PipelinedStep(StepEngine):
@@ -45,22 +46,12 @@ class PipelinedStep(StepEngine):
         self.runner: PipelineRunner | None = None
         self.split: PipelineSplit | None = None
         self._zero_grad: Callable[..., Any] | None = None
-        self.shard_plan: ShardPlan | None = None
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh["dp"].get_group()
-
-    @property
-    def stages(self) -> int:
-        """Stages of one pipeline (several per rank with the interleaved schedule)."""
-        return self.layout.pp * stages_per_rank(self.config.pipeline_schedule, self.config.pipeline_stages_per_rank)
 
     # ------------------------------------------------------------------------------------------- setup
-    def parallelize(self) -> Callable[[list[Tensor], float], None]:
-        """Plan the split, make the stage compiler, its gradient sync and this rank's runner. Returns the
-        clipping function by the norm over every stage."""
-        module, config = self.module, self.config
+    def setup(self, fitting: bool, accumulate: int) -> Callable[[list[Tensor], float], None]:
+        """Plan the split, the whole module's part (sharding), make the stage compiler, its gradient sync and this
+        rank's runner; fitting: the sync's log line. Returns the clipping function by the norm over every stage."""
+        module, config, dims = self.module, self.config, self.dims
         # The schedule runs backward inside training_step; Lightning zeroes gradients after training_step and
         # before backward. Its zero_grad is therefore deferred to us: run before the schedule, at the first
         # micro-step of each accumulation window, as Lightning would have.
@@ -70,45 +61,44 @@ class PipelinedStep(StepEngine):
         if self.runner is None:
             check_pipeline_contract(module)
             try:
-                split = plan_pipeline_split(module, self.stages, split_points=config.pipeline_split)
+                split = plan_pipeline_split(module, dims.stages, split_points=config.pipeline_split)
             except PipelineSplitError as exc:
                 raise SGDTPConfigError(str(exc)) from exc
-            if config.sharded and not is_sharded(module):
-                # Before the optimizer exists (it steps the shards), over this stage's replicas; every rank shards
-                # the whole module (its copies of the other stages are stale shards). The stages traced later
-                # get the same reads (share_reads).
-                self.shard_plan = prepare_part(module, self._sharding(self.mesh["dp"], None)).shard_plan
-                for line in self.shard_plan.describe():
-                    self.report.say(line)
-            names = {id(p): n for n, p in module.named_parameters()}
-            self.compiler = SGDTPCompiler(config, group=self.dp_group, param_names=names, on_graph=self.report.announce)
-            self.grad_sync = GradSync(
-                module.named_parameters(),
-                self.compiler,
-                self.dp_group,
-                config,
-                self.layout.dp > 1,
-                self.report.say,
-                self.preemption,
+            self.part_plan = plan = plan_part(
+                config, dims, module, part="pipelined model", device_type=self.device.type
             )
-            if self.shard_plan is not None and missed_reduce_scatter():
-                module._sgdtp_read.reduce = False  # the negative control: the proof must fail the first compile
-                self.report.say("NEGATIVE CONTROL: the sharded parameters' gradients are NOT reduce-scattered")
+            # Before the optimizer exists (it steps the shards), over each stage's replicas: every rank shards the
+            # whole module (its copies of the other stages are stale shards); the stages traced later read through
+            # the same shards.
+            done = parallelize(module, plan, dims)
+            self.shard_plan = done.shard_plan
+            for line in done.describe(plan):
+                self.report.say(line)
+            names = {id(p): n for n, p in module.named_parameters()}
+            settings = CompileSettings(in_graph_sync=plan.in_graph_sync, prove_shards=plan.prove_shards)
+            self.compiler = SGDTPCompiler(config, dims.dp_group, names, self.report.announce, settings=settings)
+            self.grad_sync = GradSync(
+                module.named_parameters(), self.compiler, dims.dp_group, config, self.report.say, self.preemption,
+                enabled=plan.dp_sync,
+            )  # fmt: skip
             self.report.count_breaks_from_now()
             self.runner = PipelineRunner(
                 module,
                 split,
                 config.pipeline_schedule,
-                config.pipeline_micro_batches(self.layout.pp),
-                self.mesh["pp"].get_group(),
+                dims.micro_batches,
+                dims.pp_group,
                 self.device,
-                prepare=self._prepare_stage,
+                prepare=self._parallelize_stage,
                 measure=config.pipeline_balance == "measured",
                 on_split=self._on_split,
-                tracing=(lambda: whole_for_tracing(module)) if self.shard_plan is not None else contextlib.nullcontext,
+                tracing=tracing(plan, module),
             )
             self._on_split(split)
             _leave_cleanly_at_exit()
+        if fitting:
+            assert self.part_plan is not None
+            self.report.say(sync_line(config, dims, self.part_plan, accumulate, False, False))
         runner = self.runner
         return lambda params, max_norm: clip_pipeline_grad_norm_(params, max_norm, runner.group, runner.holders)
 
@@ -121,36 +111,17 @@ class PipelinedStep(StepEngine):
                 "  pipeline_balance='measured': a block's cost is its forward time in ms (the slowest rank's)"
             )
 
-    def _prepare_stage(self, stage: nn.Module) -> None:
-        """The same per-part preparation as the compiled engine's: activation checkpointing, then compile."""
+    def _parallelize_stage(self, stage: nn.Module) -> None:
+        """A traced stage's part plan, applied: the whole module's sharded reads, activation checkpointing, compile."""
         assert self.split is not None and self.compiler is not None
-        if self.shard_plan is not None:
-            share_reads(stage, self.module)
         blocks = [b for stage_blocks in self.split.blocks_per_stage for b in stage_blocks]
-        how = PartPreparation(
-            checkpoint=blocks if self.config.activation_checkpointing else None, backend=self.compiler
-        )
-        wrapped = prepare_part(stage, how).checkpointed
+        plan = plan_part(self.config, self.dims, stage, part="stage", stage_blocks=blocks, device_type=self.device.type)
+        wrapped = parallelize(stage, plan, self.dims, backends=[self.compiler], whole=self.module).checkpointed
         if wrapped and wrapped[0] not in self.checkpointed:  # once per stage, not per traced shape
             self.checkpointed = sorted({*self.checkpointed, *wrapped})
             self.report.say(
                 f"activation checkpointing on {len(wrapped)} block(s) of a stage ({wrapped[0]} .. {wrapped[-1]})"
             )
-
-    def setup_training(self, accumulate: int) -> None:
-        if self.shard_plan is not None:
-            self.report.say(
-                "sharded stages: parameter all-gathers in each stage's compiled forward, gradient reduce-scatters in"
-                f" its compiled backward over its data-parallel group of {self.layout.dp}, once per micro-batch"
-            )
-        elif self.layout.dp > 1:
-            self.report.say(
-                f"gradient sync inside each stage's compiled backward, over its data-parallel group of"
-                f" {self.layout.dp}: buckets of <= {self.config.bucket_cap_bytes / 2**20:g} MiB, once per micro-batch"
-                " (overlapped with the next micro-batches' compute)"
-            )
-        else:
-            self.report.say("one pipeline: no data-parallel gradient sync; activations travel stage to stage")
 
     # ------------------------------------------------------------------------------------------- steps
     def training_step(self, args: tuple, kwargs: dict, trainer: Any, optimizers: list) -> Tensor:
@@ -159,7 +130,7 @@ class PipelinedStep(StepEngine):
         if batch_idx % accumulate == 0 and self._zero_grad is not None:
             for optimizer in optimizers:
                 self._zero_grad(trainer.current_epoch, batch_idx, optimizer)
-        if self.config.broadcast_buffers and self.layout.dp > 1:
+        if self.part_plan is not None and self.part_plan.broadcast_buffers:
             self._broadcast_stage_buffers()
         loss = self.run("training_step", batch, batch_idx, scale=1.0 / accumulate)
         return torch.tensor(loss, device=self.device)
@@ -199,7 +170,7 @@ class PipelinedStep(StepEngine):
         buffers = [b for stage in self.runner.stage_modules() for b in stage.buffers()]
         if buffers:
             with self.guard("broadcast_buffers"):
-                _sync_params_and_buffers(self.dp_group, buffers, BROADCAST_BUCKET_BYTES, 0)  # src: group rank 0
+                _sync_params_and_buffers(self.dims.dp_group, buffers, BROADCAST_BUCKET_BYTES, 0)  # src: group rank 0
 
     def backward(self, run_backward: Callable[[], None]) -> None:
         """At the last micro-step of an optimizer step: what no graph averaged, tied sums (``run_backward`` is not
@@ -224,7 +195,7 @@ class PipelinedStep(StepEngine):
         if self.runner is None:
             return state
         local = {k: v.detach().cpu() for k, v in self.runner.stage_state_dict(state).items()}
-        parts: list[Any] = [None] * self.layout.pp
+        parts: list[Any] = [None] * self.dims.pp
         with self.guard("full_state_dict"):
             dist.all_gather_object(parts, local, group=self.runner.group)
         merged = {k: v for part in parts for k, v in part.items()}
@@ -236,18 +207,19 @@ class PipelinedStep(StepEngine):
         return {
             "tensor_parallel_plan": None,
             "pipeline": {
-                "pp_size": self.layout.pp,
-                "dp_size": self.layout.dp,
+                "pp_size": self.dims.pp,
+                "dp_size": self.dims.dp,
                 "schedule": self.config.pipeline_schedule,
-                "chunks": self.config.pipeline_micro_batches(self.layout.pp),
+                "chunks": self.dims.micro_batches,
                 "split": self.split.to_dict() if self.split is not None else None,
                 "stages_of_rank_0": runner.stage_ids if runner is not None and dist.get_rank() == 0 else None,
                 "traced": list(runner.retraced) if runner is not None else [],
                 "contiguous_boundaries": list(runner.boundaries) if runner is not None else [],
             },
             "activation_checkpointing": list(self.checkpointed),
-            "sharding": self.sharding_plan([self.shard_plan] if self.shard_plan is not None else []),
+            "sharding": self.sharding_plan(),
             "graphs": [g.to_dict() for g in self.compiler.graphs] if self.compiler else [],
+            "part_plan": self.part_plan.to_dict() if self.part_plan is not None else None,
         }
 
     def teardown(self, barrier: Callable[[str], None]) -> None:

@@ -39,50 +39,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_sgdtp.comm import all_reduce_flat
 from lightning_sgdtp.faults import is_distributed_error
 from lightning_sgdtp.parallel.pipeline_split import PipelineSplit
+from lightning_sgdtp.parallel.schedules import SCHEDULES, check_chunks, micro_batch_count
 from lightning_sgdtp.parallel.sharding import stored_parameter
 from lightning_sgdtp.parallel.stage_boundaries import make_boundaries_contiguous, send_contiguous
 from lightning_sgdtp.parallel.tensor import local_shard
 
-#: ``pipeline_schedule`` values and torch's schedule classes.
-SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-}
-
 
 class PipelineContractError(RuntimeError):
     """The LightningModule does not meet the pipeline contract. The message names the missing piece."""
-
-
-def stages_per_rank(schedule: str, virtual: int | None) -> int:
-    """Stages each rank holds: 1 for GPipe/1F1B; ``virtual`` (default 2) for interleaved 1F1B."""
-    if schedule != "interleaved_1f1b":
-        return 1
-    return virtual or 2
-
-
-def check_chunks(schedule: str, chunks: int, pp: int, stages: int) -> str | None:
-    """Why torch's schedule would refuse ``chunks`` micro-batches (None when it accepts them)."""
-    if schedule == "1f1b" and chunks < stages:
-        return (
-            f"pipeline_schedule='1f1b' needs at least as many micro-batches as stages: pipeline_chunks={chunks} <"
-            f" {stages} stages. Use pipeline_chunks >= {stages} (more chunks, a smaller bubble), or 'gpipe'."
-        )
-    if schedule == "interleaved_1f1b":
-        rounds = max(1, chunks // pp)
-        if chunks % rounds:
-            return (
-                f"pipeline_schedule='interleaved_1f1b' over {pp} ranks needs pipeline_chunks to be a multiple of"
-                f" max(1, chunks // {pp}) = {rounds}; {chunks} is not. Use a multiple of {pp}, e.g. {pp * rounds}."
-            )
-    return None
-
-
-def micro_batch_count(batch_size: int, chunks: int) -> int:
-    """Micro-batches for a batch: ``chunks``, or for a batch it does not divide (the last of an epoch) the
-    largest count <= ``chunks`` that divides it, so every micro-batch has the same shape."""
-    return max(c for c in range(1, min(chunks, batch_size) + 1) if batch_size % c == 0)
 
 
 # ------------------------------------------------------------------------------------------ contract

@@ -139,12 +139,21 @@ def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 
 class ParameterRead:
     """``module.weight`` of a sharded module: all-gather over ``dp`` (forward), reduce-scatter of the averaged
-    gradient (backward). ``reduce=False`` is the negative control (the gradient is not reduced): tests only."""
+    gradient (backward). ``reduce=False`` is the negative control (the gradient is not reduced: ``debug_skip_sync``,
+    tests only), fixed when the read is made."""
 
-    def __init__(self, mode: str, dp_mesh: Any, gather_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
-        self.mode, self.dp_mesh = mode, dp_mesh
+    def __init__(
+        self,
+        mode: str,
+        dp_mesh: Any,
+        gather_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+        reduce: bool = True,
+        tp_mesh: Any | None = None,
+    ) -> None:
+        self.mode, self.dp_mesh, self.tp_mesh = mode, dp_mesh, tp_mesh
         self.gather_dtype, self.reduce_dtype = gather_dtype, reduce_dtype
-        self.reduce = True
+        self.reduce = reduce
 
     def __call__(self, param: Tensor) -> Tensor:
         from torch.distributed.tensor import DTensor
@@ -171,7 +180,7 @@ class ParameterRead:
             return whole.to_local(grad_placements=[Partial("avg") if self.reduce else Replicate()] * ndim)
         grad = [Partial("avg")] if self.reduce else [Replicate()]
         # ("dp", "tp"): gather over dp on this rank's tensor-parallel shard, then the tensor-parallel DTensor again
-        tp_mesh = param.device_mesh["tp"]
+        tp_mesh = self.tp_mesh
         dp_placement = param.placements[0]
         local = DTensor.from_local(param.to_local(), self.dp_mesh, [_plain(dp_placement)], run_check=False)
         whole = local.redistribute(
@@ -195,11 +204,14 @@ def is_split(placement: Any) -> bool:
     return placement.is_shard() or isinstance(placement, _StridedShard)
 
 
+#: Why: a vocabulary-parallel lookup yields torch's ``_MaskPartial``, whose mask meets two fake-tensor modes once its
+#: weight is re-wrapped in the graph (torch 2.13: "Mixing fake modes NYI" at compile).
+_VOCABULARY = "torch 2.13 cannot compile a vocabulary-parallel lookup of a re-wrapped weight"
+
+
 def keep_embeddings_whole(module: nn.Module, plan: Any) -> None:
     """With sharding and tensor parallel: embeddings (and a head tied to one) are not split by vocabulary but
-    sharded over dp like any other parameter. A vocabulary-parallel lookup yields torch's ``_MaskPartial``, whose
-    mask meets two fake-tensor modes once its weight is re-wrapped in the graph (torch 2.13: "Mixing fake modes
-    NYI" at compile)."""
+    sharded over dp like any other parameter (:data:`_VOCABULARY`)."""
     named = dict(module.named_modules())
     weights = {id(m.weight) for m in named.values() if isinstance(m, nn.Embedding)}
     for name in list(plan.styles):
@@ -217,6 +229,8 @@ def shard_parameters(
     full_mesh: Any | None = None,
     gather_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    reduce: bool = True,
+    tp_mesh: Any | None = None,
 ) -> ShardPlan:
     """Split every parameter of ``module`` over ``dp_mesh`` in place; ``full_mesh`` is the ``("dp", "tp")`` mesh
     when some parameters are tensor-parallel DTensors. ``dp_mesh`` is 1-D, or ``("dp_replicate", "dp_shard")`` for
@@ -230,8 +244,8 @@ def shard_parameters(
     dp = dp_mesh.size(dp_mesh.ndim - 1)  # the ranks one parameter is split over
     replicas = [Replicate()] * (dp_mesh.ndim - 1)  # hybrid sharding: the shards' copies
     plan = ShardPlan(mode=mode, dp=dp, replicas=dp_mesh.size() // dp)
-    read = ParameterRead(mode, dp_mesh, gather_dtype, reduce_dtype)
-    module._sgdtp_read = read  # the negative control switches read.reduce off
+    read = ParameterRead(mode, dp_mesh, gather_dtype, reduce_dtype, reduce, tp_mesh)
+    module._sgdtp_read = read  # a pipeline's stages read through it too (share_reads)
     names = {id(p): n for n, p in module.named_parameters()}
     from lightning_sgdtp.parallel.checkpointing import find_block_stack
 
@@ -253,14 +267,8 @@ def shard_parameters(
                 continue
             name = names.get(id(p), attr)
             if isinstance(p, DTensor) and isinstance(mod, nn.Embedding) and p.placements[0].is_shard(0):
-                # A vocabulary-parallel lookup yields torch's _MaskPartial, whose mask does not survive Dynamo's
-                # fake tensors once the weight is re-wrapped in the graph (torch 2.13): keep it tensor-parallel only.
-                plan.replicated[name] = "vocabulary-parallel embedding (tensor parallel only)"
-                size = _local(p).numel() * p.element_size()
-                plan.param_bytes_before += size
-                plan.param_bytes_held += size
-                done[id(p)] = p
-                continue
+                # The one rule is keep_embeddings_whole's, applied to the tensor plan before the split.
+                raise ValueError(f"{name}: a vocabulary-parallel embedding cannot be sharded ({_VOCABULARY})")
             local = _local(p).detach()
             plan.param_bytes_before += local.numel() * local.element_size()
             dim = shard_dim(local.shape, dp)

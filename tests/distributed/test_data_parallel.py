@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -208,9 +208,13 @@ def test_ledger_coverage_on_breaks_model(tmp_path_factory: pytest.TempPathFactor
 
 
 def test_negative_control_missed_sync_is_detected(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The "breaks" scenario with every data-parallel gradient average switched off (SGDTP_NEGATIVE_CONTROL): the
+    """The "breaks" scenario with every data-parallel gradient average switched off (debug_skip_sync): the
     same comparison fails by about the learning rate, so the parity tests can fail."""
-    r = result("breaks_no_dp_sync", tmp_path_factory, CASES["breaks"], SGDTP_NEGATIVE_CONTROL="no-dp-sync")
+    r = result(
+        "breaks_no_dp_sync",
+        tmp_path_factory,
+        replace(CASES["breaks"], sgdtp={**CASES["breaks"].sgdtp, "debug_skip_sync": "dp-sync"}),
+    )
     assert "NEGATIVE CONTROL" in r["log"], "the switch was not honoured"  # the log line is the switch's feature
     diff = max_abs_diff(r["ref"], r["sgdtp"])
     rel = rel_update_diff(r["init"], r["ref"], r["sgdtp"])

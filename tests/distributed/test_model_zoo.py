@@ -19,7 +19,7 @@ The representative cells of the support matrix; the whole matrix is ``python too
 
 Tolerances, as in the parity tests of our own models (test_pipeline_parallel.py): fp32 over 4 AdamW steps
 ``rel`` < 1e-3 (measured 1e-6 .. 3e-5 here), first-step gradients < 1e-4 relative (measured ~2e-7). The negative
-control (Llama, data parallel with the gradient all-reduce off, ``SGDTP_NEGATIVE_CONTROL=no-dp-sync``) must be off
+control (Llama, data parallel with the gradient all-reduce off, ``debug_skip_sync='dp-sync'``) must be off
 by far more. The no-hang tests (test_no_hang.py) train the same Llama cells: one compile (Inductor's cache) serves
 both.
 """
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.launch import JOBS, finish, job_env, parity_result, rel_update_diff, start, tiered
+from helpers.launch import JOBS, finish, job_env, negative_control, parity_result, rel_update_diff, start, tiered
 
 REL_TOL, GRAD_TOL = 1e-3, 1e-4
 PP = {"pipeline_stages": 2, "pipeline_chunks": 4}
@@ -107,7 +107,7 @@ def test_zoo_model_trains_like_one_process(name: str, tmp_path_factory: pytest.T
 def test_negative_control_without_the_data_parallel_sync(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Llama, data parallel on 2 ranks with the gradient all-reduce off: each rank trains on its half of the batch."""
     scenario = {"model": "llama", "devices": 2, "dp": 2, "sgdtp": {}}
-    r = result("llama_data_no_dp_sync", tmp_path_factory, scenario, SGDTP_NEGATIVE_CONTROL="no-dp-sync")
+    r = result("llama_data_no_dp_sync", tmp_path_factory, negative_control(scenario, "dp-sync"))
     assert "NEGATIVE CONTROL" in r["log"], "the switch was not honoured"
     assert grad_error(r) > 100 * GRAD_TOL, f"the control must not match: gradients differ by {grad_error(r):.3g}"
     rel = rel_update_diff(r["init"], r["ref"], r["sgdtp"])

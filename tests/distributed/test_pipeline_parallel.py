@@ -104,7 +104,7 @@ CASES = {
     ),
 }
 # The negative control: pp=2 x dp=2 with the data-parallel all-reduce switched off (the tied-weight sum still runs).
-NO_DP_SYNC = Case("pp=2 x dp=2 on 4 ranks, SGDTP_NEGATIVE_CONTROL=no-dp-sync", 4, PP2)
+NO_DP_SYNC = Case("pp=2 x dp=2 on 4 ranks, debug_skip_sync='dp-sync'", 4, {**PP2, "debug_skip_sync": "dp-sync"})
 #: The slow tier (tests/README.md): other schedules and options over the same stage split. The default run keeps
 #: 1F1B (with and without accumulation and clipping) and pp x dp with each stage sharded over its replicas (the one
 #: 4-rank pipeline job: pp x dp replicated, the same mesh and schedule with the all-reduce in place of the
@@ -239,7 +239,7 @@ def test_sharded_stages_gather_and_reduce_scatter_inside_their_graphs(tmp_path_f
 
 @pytest.mark.slow
 def test_negative_control_without_the_data_parallel_sync(tmp_path_factory: pytest.TempPathFactory) -> None:
-    r = result("pp2_dp2_no_dp_sync", tmp_path_factory, NO_DP_SYNC, SGDTP_NEGATIVE_CONTROL="no-dp-sync")
+    r = result("pp2_dp2_no_dp_sync", tmp_path_factory, NO_DP_SYNC)
     assert "NEGATIVE CONTROL" in r["log"], "the switch was not honoured"  # the log line is the switch's feature
     rel = rel_update_diff(r["init"], r["ref"], r["sgdtp"])
     assert rel > 0.1, f"the control must not match (rel {rel:.3g}): the parity tests could not fail"

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.launch import JOBS, job_env, parity_result, rel_update_diff, run, tiered
+from helpers.launch import JOBS, job_env, negative_control, parity_result, rel_update_diff, run, tiered
 
 REL_TOL, GRAD_TOL = 1e-2, 1e-4
 #: bf16 all-gathers round the weights the step computes with: the tolerances of the bf16 tensor-parallel tests
@@ -141,7 +141,7 @@ def test_each_rank_holds_its_share_of_the_bytes(name: str, tmp_path_factory: pyt
 @pytest.mark.slow  # default: the missed reduce-scatter control below, and the data-parallel one
 def test_negative_control_without_the_reduction_does_not_match(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The parity can fail: the same sharded run with no gradient reduction trains each shard on half a batch."""
-    r = result("data_gpt_no_dp_sync", tmp_path_factory, CASES["data_gpt_full"], SGDTP_NEGATIVE_CONTROL="no-dp-sync")
+    r = result("data_gpt_no_dp_sync", tmp_path_factory, negative_control(CASES["data_gpt_full"], "dp-sync"))
     assert "NOT reduce-scattered" in r["log"], "the switch was not honoured"
     assert grad_error(r) > 100 * GRAD_TOL
     assert rel_update_diff(r["init"], r["ref"], r["sgdtp"]) > 20 * REL_TOL
@@ -154,8 +154,8 @@ def test_a_missed_reduce_scatter_is_caught_at_compile(tmp_path: Path) -> None:
 
     out = tmp_path / "job"
     out.mkdir()
-    (out / "scenario.json").write_text(json.dumps(CASES["data_gpt_full"]))
-    env = job_env(SGDTP_NEGATIVE_CONTROL="no-reduce-scatter", SGDTP_FAST_EXIT="1")
+    (out / "scenario.json").write_text(json.dumps(negative_control(CASES["data_gpt_full"], "reduce-scatter")))
+    env = job_env(SGDTP_FAST_EXIT="1")
     done = run([__import__("sys").executable, str(JOBS / "tp_parity.py"), str(out)], timeout=400, env=env)
     assert done.returncode != 0, done.stdout[-3000:]
     assert "UnreducedGradientError" in done.stdout and "is not reduced over the data-parallel group" in done.stdout

@@ -42,11 +42,12 @@ def free_port() -> int:
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    # Never inherited: rank variables (each job sets its own), and the negative-control switch (a job is a control
-    # only when its test says so).
-    dropped = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "SGDTP_NEGATIVE_CONTROL")
+    # Never inherited: rank variables (each job sets its own). SGDTP_DEBUG_OPTIONS=1: a job may be a negative
+    # control (SGDTPStrategy(debug_skip_sync=...)), when its test says so in its options.
+    dropped = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
     env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(
+        SGDTP_DEBUG_OPTIONS="1",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
         PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
@@ -193,6 +194,17 @@ def rel_update_diff(init: dict[str, torch.Tensor], a: dict[str, torch.Tensor], b
 
 
 PARITY_TENSORS = ("init", "ref", "sgdtp", "ref_grads", "grads")
+
+
+def negative_control(scenario: dict[str, Any], skip: str) -> dict[str, Any]:
+    """``scenario`` with ``SGDTPStrategy(debug_skip_sync=skip)`` in each of its strategy options (a job's
+    ``"sgdtp"`` dict or its ``"phases"``): the same run with the sync switched off, which must not match."""
+    out = dict(scenario)
+    if "sgdtp" in out:
+        out["sgdtp"] = {**out["sgdtp"], "debug_skip_sync": skip}
+    if "phases" in out:
+        out["phases"] = [{**phase, "debug_skip_sync": skip} for phase in out["phases"]]
+    return out
 
 
 def parity_result(

@@ -144,11 +144,12 @@ def test_registered_backend_sends_pipeline_options_to_the_strategy(fake_world: N
 
 
 def test_measured_cost_model_plans_the_buckets_and_predicts_exposure(fake_world: None) -> None:
+    from lightning_sgdtp.compiler.backend import CompileSettings
     from lightning_sgdtp.compiler.bucket_cost import CostModel
 
     torch._dynamo.reset()
-    compiler = SGDTPCompiler(SGDTPConfig())  # bucket_cap_mb="auto"
-    compiler.cost = CostModel(latency_s=5e-5, seconds_per_byte=1e-9, flops_per_s=2e9, bytes_per_s=1e10)
+    cost = CostModel(latency_s=5e-5, seconds_per_byte=1e-9, flops_per_s=2e9, bytes_per_s=1e10)
+    compiler = SGDTPCompiler(SGDTPConfig(), settings=CompileSettings(cost=cost))  # bucket_cap_mb="auto"
     step = torch.compile(mlp(), backend=compiler)
     step(torch.randn(8, 256)).sum().backward()
     step(torch.randn(5, 256)).sum().backward()  # a short last batch: recompiled for a dynamic batch size

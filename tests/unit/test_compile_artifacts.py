@@ -79,8 +79,7 @@ def _compile_once(cost: CostModel | None) -> dict[str, int]:
 
     torch._dynamo.reset()
     counters.clear()
-    compiler = backend.SGDTPCompiler()
-    compiler.cost = cost
+    compiler = backend.SGDTPCompiler(settings=backend.CompileSettings(cost=cost))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     torch.compile(model, backend=compiler)(torch.randn(4, 8)).sum().backward()

@@ -125,3 +125,37 @@ def test_pipeline_sizes_fail_before_any_process_starts(devices: int, kwargs: dic
         L.Trainer(accelerator="cpu", devices=devices, strategy=SGDTPStrategy(**kwargs), logger=False)
     for name in names:
         assert name in str(info.value)
+
+
+def test_the_strategy_takes_every_option_once_typed_and_documented() -> None:
+    """SGDTPStrategy's signature is SGDTPConfig's fields (one declaration per option): LightningCLI's parser reads
+    the types (a bad value is refused at parse time) and the help text of each."""
+    import dataclasses
+    import inspect
+
+    import jsonargparse  # the [test] extra: jsonargparse[signatures], docstring-parser with it
+
+    from lightning_sgdtp import SGDTPStrategy
+
+    params = inspect.signature(SGDTPStrategy).parameters
+    assert [f.name for f in dataclasses.fields(SGDTPConfig)] == [
+        p for p in params if p in SGDTPConfig.__dataclass_fields__
+    ]
+    parser = jsonargparse.ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(SGDTPStrategy, "strategy")
+    parsed = parser.parse_args(
+        ["--strategy.bucket_cap_mb=10", "--strategy.sharding=full", "--strategy.profile_steps=[3, 4]"]
+    )
+    strategy = parser.instantiate(parsed).strategy
+    assert (strategy.config.bucket_cap_mb, strategy.config.sharding, strategy.config.profile_steps) == (
+        10,
+        "full",
+        (3, 4),
+    )
+    assert strategy.config.parallelism == "data"  # not given: the option's default
+    with pytest.raises(jsonargparse.ArgumentError, match="parallelism"):
+        parser.parse_args(["--strategy.parallelism=bogus"])
+    help_text = parser.format_help()
+    assert "bucket boundaries chosen per backward graph" in " ".join(help_text.split())
+    with pytest.raises(SGDTPConfigError, match="unknown option"):
+        SGDTPStrategy(bucket_size=3)

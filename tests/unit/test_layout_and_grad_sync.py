@@ -12,8 +12,9 @@ from torch import nn
 
 from lightning_sgdtp import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.comm import all_reduce_flat
-from lightning_sgdtp.compiler.backend import SGDTPCompiler
-from lightning_sgdtp.grad_sync import NEGATIVE_CONTROL_ENV, NO_DP_SYNC, GradSync
+from lightning_sgdtp.compiler.backend import CompileSettings, SGDTPCompiler
+from lightning_sgdtp.engine.parallelize import DEBUG_OPTIONS_ENV, plan_part
+from lightning_sgdtp.grad_sync import GradSync
 from lightning_sgdtp.layout import ParallelLayout
 from lightning_sgdtp.topology import detect
 
@@ -79,9 +80,13 @@ def test_all_reduce_flat_buckets_by_the_one_rule(one_rank: None) -> None:
 
 
 # -------------------------------------------------------------------------------------------- grad sync
-def _sync(model: nn.Module, lines: list[str]) -> GradSync:
-    compiler = SGDTPCompiler(SGDTPConfig())
-    return GradSync(model.named_parameters(), compiler, None, SGDTPConfig(), True, lines.append)
+def _sync(model: nn.Module, lines: list[str], config: SGDTPConfig | None = None) -> GradSync:
+    """The gradient sync of ``model`` on one process, set up as the compiled engine sets it up from its plan."""
+    config = config or SGDTPConfig()
+    plan = plan_part(config, ParallelLayout.resolve(config, 1, 1), model)
+    settings = CompileSettings(in_graph_sync=plan.in_graph_sync, prove_shards=plan.prove_shards)
+    compiler = SGDTPCompiler(config, settings=settings)
+    return GradSync(model.named_parameters(), compiler, None, config, lines.append, enabled=plan.dp_sync)
 
 
 def test_eager_gradients_go_through_the_fallback_and_are_covered(one_rank: None) -> None:
@@ -105,9 +110,9 @@ def test_a_gradient_the_sync_never_saw_fails_the_step(one_rank: None) -> None:
 
 
 def test_negative_control_switch_turns_every_average_off(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(NEGATIVE_CONTROL_ENV, NO_DP_SYNC)
+    monkeypatch.setenv(DEBUG_OPTIONS_ENV, "1")
     model, lines = nn.Linear(3, 2), []
-    sync = _sync(model, lines)
+    sync = _sync(model, lines, SGDTPConfig(debug_skip_sync="dp-sync"))
     assert not sync.enabled and not sync.compiler.in_graph_sync and "NEGATIVE CONTROL" in lines[0]
     loss = model(torch.ones(4, 3)).sum()
     sync.before_backward(loss)

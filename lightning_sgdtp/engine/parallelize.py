@@ -1,0 +1,338 @@
+"""The one place a technique is applied: :func:`plan_part` decides, :func:`parallelize` applies.
+
+A "part" is what one compiled program runs: the whole LightningModule (the compiled engine) or one pipeline stage
+(the pipelined engine splits first, then parallelizes each stage). :func:`plan_part` is pure (it reads the options,
+the :class:`~lightning_sgdtp.layout.ParallelDims` and the module's structure, and changes nothing): its
+:class:`PartPlan` is plain data, logged and tested on its own. :func:`parallelize` applies a plan in one fixed
+order (torchtitan's ``parallelize_llama``):
+
+1. **tensor parallel** (DTensor, ``parallelize_module``) over ``dims.tp_mesh``: first, because every later step
+   must see the split parameters;
+2. **context parallel**: the place for it (``dims.cp``; not built yet);
+3. **sharding** over the data-parallel ranks (``sharding="full"|"optimizer"``, :mod:`~lightning_sgdtp.parallel.sharding`)
+   over ``dims.shard_mesh``: after tensor parallel (a split parameter becomes a 2-D DTensor over ``("dp", "tp")``),
+   before compile, so that Dynamo traces each parameter's all-gather and its gradient's reduce-scatter into the
+   graphs;
+4. **activation checkpointing** of each block (non-reentrant ``checkpoint_wrapper``): after the split, before
+   compile, so that Dynamo traces each checkpointed block as one higher-order op and the recomputation stays inside
+   the compiled region (the in-graph buckets are planned over the whole backward);
+5. **compile** through the ``"sgdtp"`` backend(s): last, with backends made for the part as it now is (its
+   parameters' names and DTensors). A stage's ``forward`` is compiled in place; the LightningModule's
+   ``training_step`` is wrapped (:func:`~lightning_sgdtp.engine.step_compile.compile_step`), once per backend.
+
+What a plan asks for and the module already has (fit, then validate, or a second fit) is skipped: the plan is
+"what remains to apply", so every trainer function can call the same two functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.engine.step_compile import compile_step
+from lightning_sgdtp.layout import ParallelDims
+from lightning_sgdtp.parallel.checkpointing import block_names, checkpoint_blocks
+from lightning_sgdtp.parallel.sharding import (
+    ShardPlan,
+    is_sharded,
+    keep_embeddings_whole,
+    shard_parameters,
+    share_reads,
+    whole_for_tracing,
+)
+from lightning_sgdtp.parallel.tensor import TensorPlan, TensorPlanError, apply_tensor_parallel, auto_plan, resolve_plan
+
+#: Set (to 1) by the test suite: only then does ``debug_skip_sync`` act (it trains wrong on purpose).
+DEBUG_OPTIONS_ENV = "SGDTP_DEBUG_OPTIONS"
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    """The sharding step: ``mode`` ``"full"`` or ``"optimizer"``; the dtypes on the wire; ``reduce``: the
+    gradients' reduction in the reads (False only for the ``debug_skip_sync`` controls)."""
+
+    mode: str
+    gather_dtype: Any | None = None
+    reduce_dtype: Any | None = None
+    reduce: bool = True
+    #: A pipeline stage: take the reads of the whole module, sharded at setup (its optimizer steps those shards).
+    from_whole: bool = False
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """What to apply to one part, and how its gradients are synced. Plain data: ``to_dict()`` is what is logged."""
+
+    #: Tensor parallel (None: none, or applied already).
+    tensor_plan: TensorPlan | None = None
+    sharding: ShardSettings | None = None
+    #: Blocks to wrap for activation checkpointing (those the part holds are wrapped).
+    checkpoint: tuple[str, ...] = ()
+    #: What is compiled: ``"training_step"`` (the LightningModule's, wrapped), ``"forward"`` (a stage, in place)
+    #: or None (nothing: evaluation runs Lightning's own step).
+    compile: str | None = None
+    #: Gradients averaged over the data-parallel group (False: the ``debug_skip_sync="dp-sync"`` control).
+    dp_sync: bool = True
+    #: Compiled backwards average in the graph (else after backward: nothing to average, or the control).
+    in_graph_sync: bool = True
+    #: The backend proves each sharded gradient reduced in its graph.
+    prove_shards: bool = True
+    #: Measure the link and the device for the bucket plan (``bucket_cap_mb="auto"``; one collective).
+    measure_link: bool = False
+    #: Who compiles when: ``"cache"`` (the compile cache's lock), ``"node"`` (every rank compiles the same graphs:
+    #: the first on a node compiles, the others load), or None (side by side).
+    lock_compiles: str | None = None
+    #: Clipping by the norm over every shard (``"mesh"``) or every stage (``"pipeline"``); None: Lightning's own.
+    clip: str | None = None
+    #: Buffers broadcast from the first replica before each step (``broadcast_buffers`` with replicas).
+    broadcast_buffers: bool = False
+    #: Plain tensors met in the model count as replicated over the mesh (DTensor parameters).
+    implicit_replication: bool = False
+    #: What ``debug_skip_sync`` switched off (None: nothing).
+    skipped: str | None = None
+    #: Log lines of the decisions no step below announces.
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tensor_parallel": self.tensor_plan.to_dict() if self.tensor_plan is not None else None,
+            "sharding": self.sharding.mode if self.sharding is not None else None,
+            "activation_checkpointing": list(self.checkpoint),
+            "compile": self.compile,
+            "dp_sync": self.dp_sync,
+            "in_graph_sync": self.in_graph_sync,
+            "lock_compiles": self.lock_compiles,
+            "debug_skip_sync": self.skipped,
+        }
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` did: the blocks it wrapped, the sharding it applied, the compiled callables."""
+
+    checkpointed: list[str] = field(default_factory=list)
+    shard_plan: ShardPlan | None = None
+    #: ``training_step`` compiled with each backend, in the order given (the compiled engine).
+    steps: list[Callable[..., Any]] = field(default_factory=list)
+
+    def describe(self, plan: PartPlan) -> list[str]:
+        """One log line per decision applied to the whole module (a stage's blocks are announced per stage)."""
+        lines = list(plan.tensor_plan.describe()) if plan.tensor_plan is not None else []
+        lines += self.shard_plan.describe() if self.shard_plan is not None else []
+        lines += plan.notes
+        if self.checkpointed and plan.compile != "forward":
+            first, last = self.checkpointed[0], self.checkpointed[-1]
+            lines.append(
+                f"activation checkpointing on {len(self.checkpointed)} blocks ({first} .. {last}), applied before compile"
+            )
+        return lines
+
+
+# ----------------------------------------------------------------------------------------------- plan
+#: The parts: the LightningModule compiled whole; a pipelined LightningModule before its split (sharded at setup:
+#: its optimizer, made from it, must step the shards); one pipeline stage (traced from it at the first step).
+PARTS = ("model", "pipelined model", "stage")
+
+
+def plan_part(
+    config: SGDTPConfig,
+    dims: ParallelDims,
+    module: nn.Module,
+    *,
+    part: str = "model",
+    fitting: bool = True,
+    stage_blocks: Sequence[str] = (),
+    device_type: str = "cpu",
+) -> PartPlan:
+    """What remains to apply to ``module`` (one of :data:`PARTS`) for ``config`` on ``dims``; ``stage_blocks``: the
+    blocks of every stage (for a stage); ``fitting``: ``trainer.fit`` (else evaluation: no checkpointing, and the
+    model's step is not compiled). Pure: reads, never changes, the module."""
+    if part not in PARTS:
+        raise ValueError(f"part={part!r}: one of {PARTS}")
+    stage, whole, pipelined = part == "stage", part == "model", part != "model"
+    skipped = _debug_skip_sync(config)
+    dp_sync = skipped != "dp-sync"
+    tensor_plan = None
+    if dims.tp_enabled and not is_tensor_parallel(module):  # fit, then validate/test: split once
+        tensor_plan = _tensor_plan(config, dims.tp, module, device_type)
+    sharding = None
+    if config.sharded and (stage or not is_sharded(module)):
+        sharding = ShardSettings(
+            config.sharding, config.gather_dtype, config.wire_dtype, reduce=skipped is None, from_whole=stage
+        )
+    checkpoint: tuple[str, ...] = ()
+    if config.activation_checkpointing and fitting and part != "pipelined model" and not _checkpointed(module):
+        checkpoint = tuple(stage_blocks) if stage else tuple(block_names(module))
+    # A pipeline averages in each stage's graphs when it has replicas; the compiled model always plans buckets
+    # (with one process the backend finds a group of one and inserts nothing).
+    in_graph = dp_sync and (dims.dp_enabled if pipelined else True)
+    # Every rank compiles the same graphs when they name the same groups and device: data parallel alone,
+    # replicated or sharded over every rank, on CPU. With tensor parallel or shard_size each rank's graphs name its
+    # own row of groups (on GPUs its own device too), and the ranks compile side by side.
+    same_graphs = not dims.tp_enabled and not dims.hybrid_shard_enabled and device_type == "cpu"
+    lock = "cache" if config.compile_cache is not None else "node" if dims.dp_enabled and same_graphs else None
+    notes = ()
+    if skipped is not None and sharding is not None and not stage:
+        notes = ("NEGATIVE CONTROL: the sharded parameters' gradients are NOT reduce-scattered",)
+    return PartPlan(
+        tensor_plan, sharding, checkpoint,
+        compile="forward" if stage else "training_step" if whole and fitting else None,
+        dp_sync=dp_sync, in_graph_sync=in_graph, prove_shards=dp_sync,
+        # A measured plan's boundaries enter the graphs' cache key: with the compile cache (bundles other nodes
+        # reuse) buckets are capped at 25 MiB instead, the same everywhere.
+        measure_link=config.measured_buckets and config.compile_cache is None and dims.dp_enabled and dp_sync,
+        lock_compiles=lock if whole else None,
+        clip="pipeline" if pipelined else "mesh" if dims.grid is not None else None,
+        broadcast_buffers=config.broadcast_buffers and (dims.dp_enabled if pipelined else not dims.single_process),
+        implicit_replication=whole and dims.grid is not None,
+        skipped=skipped, notes=notes,
+    )  # fmt: skip
+
+
+def sync_line(
+    config: SGDTPConfig, dims: ParallelDims, plan: PartPlan, accumulate: int, replicated: bool, measured: bool
+) -> str:
+    """The log line of the gradient-sync decision. ``replicated``: some parameters stayed out of the sharding;
+    ``measured``: the buckets are sized by the measured cost model."""
+    if plan.clip == "pipeline":  # the pipelined engine: each stage over its replicas, once per micro-batch
+        if config.sharded:
+            return (
+                "sharded stages: parameter all-gathers in each stage's compiled forward, gradient reduce-scatters in"
+                f" its compiled backward over its data-parallel group of {dims.dp}, once per micro-batch"
+            )
+        if dims.dp_enabled:
+            return (
+                f"gradient sync inside each stage's compiled backward, over its data-parallel group of {dims.dp}:"
+                f" buckets of <= {config.bucket_cap_bytes / 2**20:g} MiB, once per micro-batch (overlapped with the"
+                " next micro-batches' compute)"
+            )
+        return "one pipeline: no data-parallel gradient sync; activations travel stage to stage"
+    if dims.single_process:
+        return "one process: nothing to communicate; the step is compiled without collectives"
+    if not dims.dp_enabled:
+        return "data-parallel group of 1: no gradient all-reduce; tensor-parallel collectives are in the graphs"
+    if config.sharded:
+        return (
+            "sharded parameters: all-gathers in the compiled forward, gradient reduce-scatters in the compiled"
+            f" backward, bucketed by Inductor (<= {config.bucket_cap_bytes / 2**20:g} MiB) and scheduled to overlap"
+            " compute; each graph's proof that every sharded gradient is reduced is in plan['sharding']"
+            + ("; the parameters not sharded keep in-graph all-reduce buckets" if replicated else "")
+        )
+    if accumulate > 1:
+        return (
+            f"accumulate_grad_batches={accumulate}: the first {accumulate - 1} micro-batch(es) of a step run graphs"
+            " without collectives; at the last one their summed gradients are all-reduced behind its forward and"
+            " backward, and its own gradients in its compiled backward (overlap kept)"
+        )
+    if measured:
+        sizing = "sized by the measured cost model"
+    elif config.measured_buckets:
+        sizing = "of <= 25 MiB (bucket_cap_mb='auto' with compile_cache: a measured plan would change the key)"
+    else:
+        sizing = f"of <= {config.bucket_cap_mb} MiB"
+    return (
+        f"gradient sync inside the compiled backward: buckets {sizing},"
+        f" {'overlapped with backward compute' if config.overlap else 'no overlap scheduling'}"
+        + (f", {config.grad_comm_dtype} on the wire (lossy)" if config.grad_comm_dtype else "")
+    )
+
+
+def _debug_skip_sync(config: SGDTPConfig) -> str | None:
+    """``debug_skip_sync``, where it may act: under the test suite (``SGDTP_DEBUG_OPTIONS=1``); refused with a
+    warning elsewhere (a job that trains wrong on purpose must never run by accident)."""
+    skip = config.debug_skip_sync
+    if skip is None or os.environ.get(DEBUG_OPTIONS_ENV) == "1":
+        return skip
+    warnings.warn(
+        f"debug_skip_sync={skip!r} is refused: it trains wrong on purpose (a negative control for tests). Set"
+        f" {DEBUG_OPTIONS_ENV}=1 to apply it, or remove the option.",
+        stacklevel=3,
+    )
+    return None
+
+
+def _tensor_plan(config: SGDTPConfig, tp: int, module: nn.Module, device_type: str) -> TensorPlan:
+    # Sequence parallel by default where its collectives are cheap: NCCL's reduce-scatter; gloo's is an all-reduce.
+    sequence = config.sequence_parallel if config.sequence_parallel is not None else device_type == "cuda"
+    try:
+        plan = resolve_plan(module, config.tp_plan, tp) if config.tp_plan else auto_plan(module, tp, sequence)
+    except TensorPlanError as exc:
+        raise SGDTPConfigError(str(exc)) from exc
+    if config.sequence_parallel and not plan.sequence_blocks:
+        raise SGDTPConfigError(
+            f"sequence_parallel=True, but for {type(module).__name__} sequence parallel is"
+            f" {plan.sequence_reason}. Remove sequence_parallel=True (tensor parallel alone is still applied)."
+        )
+    if config.sharded:
+        keep_embeddings_whole(module, plan)
+    if config.sequence_parallel is None and not config.tp_plan:
+        why = plan.sequence_reason or "off"
+        plan.sequence_reason = f"{why} (sequence_parallel=None: on with CUDA devices, off on CPU)"
+    return plan
+
+
+def _checkpointed(module: nn.Module) -> bool:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return any(isinstance(m, CheckpointWrapper) for m in module.modules())
+
+
+# ---------------------------------------------------------------------------------------------- apply
+def parallelize(
+    part: nn.Module,
+    plan: PartPlan,
+    dims: ParallelDims,
+    backends: Callable[[nn.Module], Sequence[Any]] | Sequence[Any] = (),
+    whole: nn.Module | None = None,
+) -> Parallelized:
+    """Apply ``plan`` to ``part`` in place, in the one fixed order. ``backends``: the ``"sgdtp"`` compilers (or a
+    function that makes them for the part as it is after steps 1-4); ``whole``: a stage's whole module (its
+    sharded reads)."""
+    done = Parallelized()
+    # 1. tensor parallel: every later step sees the split parameters
+    if plan.tensor_plan is not None:
+        apply_tensor_parallel(part, plan.tensor_plan, dims.tp_mesh)
+    # 2. context parallel: here, once built (dims.cp_enabled)
+    # 3. sharding over the data-parallel ranks (2-D with tensor parallel), before compile
+    shard = plan.sharding
+    if shard is not None and shard.from_whole:
+        assert whole is not None, "a stage's sharding reads through its whole module's shards"
+        share_reads(part, whole)
+    elif shard is not None:
+        done.shard_plan = shard_parameters(
+            part, shard.mode, dims.shard_mesh, dims.dp_tp_mesh, shard.gather_dtype, shard.reduce_dtype, shard.reduce,
+            dims.tp_mesh,
+        )  # fmt: skip
+    # 4. activation checkpointing of each block the part holds, before compile (each stays one graph)
+    if plan.checkpoint:
+        done.checkpointed = checkpoint_blocks(part, [list(plan.checkpoint)])
+    # 5. compile, last, with backends made for the part as it now is
+    if plan.compile is not None:
+        made = backends(part) if callable(backends) else backends
+        if plan.compile == "forward":
+            (backend,) = made
+            part.compile(backend=backend)
+        else:
+            done.steps = [compile_step(getattr(part, plan.compile), backend) for backend in made]
+    return done
+
+
+def tracing(plan: PartPlan, module: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+    """What a pipeline's split traces ``module`` under: with sharding, its parameters whole (an all-gather per
+    traced shape), so that ``torch.export`` sees plain tensors."""
+    return (lambda: whole_for_tracing(module)) if plan.sharding is not None else contextlib.nullcontext
+
+
+def is_tensor_parallel(module: nn.Module) -> bool:
+    """Whether the module's parameters live on a mesh already (split by tensor parallel or sharding): it stays
+    where it is (``module.to``/``cpu()`` cannot move DTensor parameters) and keeps its own initial values."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
