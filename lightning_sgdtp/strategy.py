@@ -116,6 +116,7 @@ class SGDTPStrategy(ParallelStrategy):
 
     def __init__(
         self,
+        *,
         options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
