@@ -136,6 +136,8 @@ def plan_dict(
         "tp_size": layout.tp if layout is not None else 1,
         "mesh_layout": layout.grid if layout is not None else None,
         "tensor_parallel_plan": parts.get("tensor_parallel_plan"),
+        # what tensor parallel divides: split_fraction, held_fraction (of the parameter bytes), ...
+        "tensor": parts.get("tensor"),
         "pipeline": parts.get("pipeline"),
         "sharding": parts.get("sharding"),
         "part_plan": parts.get("part_plan"),

@@ -239,6 +239,7 @@ class CompiledStep(StepEngine):
             graphs = [merged[k] for k in sorted(merged)]
         return {
             "tensor_parallel_plan": self.tensor_plan.to_dict() if self.tensor_plan is not None else None,
+            "tensor": dict(self.tensor_plan.coverage) if self.tensor_plan is not None else None,
             "sharding": self.sharding_plan(),
             "pipeline": None,
             "activation_checkpointing": list(self.checkpointed),

@@ -47,7 +47,14 @@ from lightning_sgdtp.parallel.sharding import (
     share_reads,
     whole_for_tracing,
 )
-from lightning_sgdtp.parallel.tensor import TensorPlan, TensorPlanError, apply_tensor_parallel, auto_plan, resolve_plan
+from lightning_sgdtp.parallel.tensor import (
+    TensorPlan,
+    TensorPlanError,
+    apply_tensor_parallel,
+    auto_plan,
+    coverage,
+    resolve_plan,
+)
 
 #: Set (to 1) by the test suite: only then does ``debug_skip_sync`` act (it trains wrong on purpose).
 DEBUG_OPTIONS_ENV = "SGDTP_DEBUG_OPTIONS"
@@ -275,6 +282,7 @@ def _tensor_plan(config: SGDTPConfig, tp: int, module: nn.Module, device_type: s
     if config.sequence_parallel is None and not config.tp_plan:
         why = plan.sequence_reason or "off"
         plan.sequence_reason = f"{why} (sequence_parallel=None: on with CUDA devices, off on CPU)"
+    plan.coverage = coverage(module, plan)  # what the final plan divides, counted before the split
     return plan
 
 

@@ -60,6 +60,8 @@ class TensorPlan:
     #: ``"sequence"``), or empty; ``sequence_reason`` says why it is (not) applied.
     sequence_blocks: list[str] = field(default_factory=list)
     sequence_reason: str = ""
+    #: What the plan divides, counted from the module's parameters (:func:`coverage`); empty until measured.
+    coverage: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -68,6 +70,7 @@ class TensorPlan:
             "styles": dict(self.styles),
             "replicated": dict(self.replicated),
             "sequence_parallel": {"blocks": list(self.sequence_blocks), "reason": self.sequence_reason},
+            "coverage": dict(self.coverage),
         }
 
     def describe(self) -> list[str]:
@@ -85,6 +88,19 @@ class TensorPlan:
             lines.append(f"  replicated: {shown}: {why}")
         if self.sequence_reason:
             lines.append(f"  sequence parallel: {self.sequence_reason}")
+        c = self.coverage
+        if c:
+            lines.append(
+                f"  tensor parallel splits {c['split_fraction']:.0%} of the parameter bytes: each rank holds"
+                f" {c['held_fraction']:.0%} of them (counted from the parameters)"
+            )
+            if c["block_replicated_fraction"] > 0.5:
+                lines.append(
+                    f"  WARNING: {c['block_replicated_fraction']:.0%} of the block parameters stay replicated (largest:"
+                    f" {c['largest_replicated']}: {self.replicated.get(c['largest_replicated'], '?')}). Name their"
+                    " layers in tp_plan, or divide the memory with sharding='full' (parallelism='hybrid') or"
+                    " pipeline_stages"
+                )
         return lines
 
 
@@ -198,15 +214,69 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
     if tied and token in plan.styles and not any(plan.styles.get(h) == "colwise_gather" for h in heads):
         del plan.styles[token]
         plan.replicated[token] = "its weight is tied to a head that stays replicated"
-    # 3. Everything else with parameters of its own stays replicated.
+    # 3. Everything else with parameters of its own stays replicated, each with its reason.
     for n, m in named.items():
-        if n in plan.styles or n in plan.replicated or _inside(n, opaque):
+        if n in plan.styles or n in plan.replicated or _inside(n, opaque) or not n:
             continue
-        if isinstance(m, nn.Linear) and n:
+        if isinstance(m, nn.Linear):
             plan.replicated[n] = "no column -> row pair found around it"
+        elif (why := _not_planned(m)) is not None:
+            plan.replicated[n] = why
     if sequence_parallel:
         plan_sequence_parallel(module, plan)
     return plan
+
+
+def _not_planned(m: nn.Module) -> str | None:
+    """Why a module with parameters of its own that is not an ``nn.Linear`` stays replicated (None: a norm, small
+    and replicated by design, or no parameters of its own)."""
+    own = [p for p in m._parameters.values() if p is not None]
+    if not own or isinstance(m, NORMS) or "norm" in type(m).__name__.lower():
+        return None
+    if type(m).__name__ == "Conv1D":
+        return "transformers Conv1D (a Linear with its weight stored transposed): not in the automatic plan yet"
+    if any(p.ndim == 3 for p in own):
+        return "3-D parameters (mixture-of-experts experts stored as one tensor): not in the automatic plan yet"
+    return f"{type(m).__name__}: no tensor-parallel style for it"
+
+
+#: The styles that divide a module's parameters over the tensor-parallel group.
+SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather")
+
+
+def coverage(module: nn.Module, plan: TensorPlan) -> dict[str, Any]:
+    """What ``plan`` divides of ``module`` (pure; tied parameters counted once): ``split_fraction``, the share of
+    parameter bytes that are split; ``held_fraction``, the share each rank holds; ``block_replicated_fraction``, the
+    share of the block stack's parameter bytes left whole; the largest replicated module."""
+    from lightning_sgdtp.parallel.checkpointing import find_block_stack
+
+    found = find_block_stack(module)
+    stack = found[0] if found is not None else None
+    seen: set[int] = set()
+    total = split = block = block_whole = 0
+    whole: dict[str, int] = {}
+    for name, m in module.named_modules():
+        for p in m._parameters.values():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            size = p.numel() * p.element_size()
+            total += size
+            in_block = stack is not None and (stack == "" or name.startswith(stack + "."))
+            block += size if in_block else 0
+            if plan.styles.get(name) in SPLIT_STYLES:
+                split += size
+                continue
+            whole[name] = whole.get(name, 0) + size
+            block_whole += size if in_block else 0
+    total = max(total, 1)
+    largest = max((n for n in whole if n in plan.replicated), key=whole.get, default=None)
+    return {
+        "split_fraction": round(split / total, 4),
+        "held_fraction": round((total - split + split / plan.tp) / total, 4),
+        "block_replicated_fraction": round(block_whole / block, 4) if block else 0.0,
+        "largest_replicated": largest,
+    }
 
 
 def plan_sequence_parallel(module: nn.Module, plan: TensorPlan) -> None:

@@ -234,3 +234,43 @@ def test_sequence_parallel_is_not_applied_where_it_would_be_wrong(model: object,
     plan = auto_plan(model(), 2, sequence_parallel=True)
     assert not plan.sequence_blocks and reason in plan.sequence_reason
     assert "sequence" not in plan.styles.values()
+
+
+# -------------------------------------------------------------------------------------------- coverage
+def _plan_of(name: str):
+    """The plan the strategy makes for zoo model ``name`` (unchanged transformers code) on 2 tensor-parallel ranks."""
+    from helpers.zoo import zoo_module
+
+    from lightning_sgdtp.engine.parallelize import plan_part
+    from lightning_sgdtp.topology import detect
+
+    config = SGDTPConfig(parallelism="tensor")
+    dims = ParallelLayout.resolve(config, 2, 2, 1, detect("cpu", 2, 1))
+    return plan_part(config, dims, zoo_module(name)).tensor_plan
+
+
+def test_coverage_is_counted_and_a_mostly_replicated_model_is_named() -> None:
+    """GPT-2's blocks are transformers Conv1D: listed as replicated with the reason, the split fraction counted from
+    the parameters, and the warning names the largest with the fix. Llama's blocks are split: half per rank."""
+    gpt2 = _plan_of("gpt2")
+    conv = [n for n, why in gpt2.replicated.items() if "Conv1D" in why]
+    assert "model.transformer.h.0.attn.c_attn" in conv and "model.transformer.h.0.mlp.c_proj" in conv
+    c = gpt2.coverage
+    assert c["split_fraction"] < 0.2 and c["held_fraction"] > 0.9 and c["block_replicated_fraction"] == 1.0
+    assert c["largest_replicated"] in conv
+    assert any("WARNING" in line and "tp_plan" in line for line in gpt2.describe())
+    assert gpt2.to_dict()["coverage"] == c
+    llama = _plan_of("llama")
+    assert llama.coverage["split_fraction"] > 0.9 and 0.5 <= llama.coverage["held_fraction"] < 0.55
+    assert not any("WARNING" in line for line in llama.describe())
+
+
+def test_coverage_counts_a_tied_weight_once() -> None:
+    from lightning_sgdtp.parallel.tensor import TensorPlan, coverage
+
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied: 40 floats, once
+    plan = TensorPlan(tp=2, styles={"0": "rowwise", "1": "colwise_gather"})
+    assert coverage(model, plan) == {
+        "split_fraction": 1.0, "held_fraction": 0.5, "block_replicated_fraction": 0.0, "largest_replicated": None,
+    }  # fmt: skip
