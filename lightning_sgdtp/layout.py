@@ -129,10 +129,16 @@ class ParallelDims:
         return self.world_size == 1
 
     @property
-    def sharded_checkpoints(self) -> bool:
-        """A model laid out on a mesh (split or sharded parameters, pipeline stages) is saved as a sharded folder,
-        every rank writing its part; replicas alone write one file from rank 0."""
+    def on_mesh(self) -> bool:
+        """The model is laid out over the world mesh (split or sharded parameters, pipeline stages); False: every
+        rank a plain replica."""
         return self.grid is not None
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """A model laid out on a mesh is saved as a sharded folder, every rank writing its part; replicas alone
+        write one file from rank 0."""
+        return self.on_mesh
 
     # ------------------------------------------------------------------------------------------ resolve
     @classmethod
@@ -184,7 +190,7 @@ class ParallelDims:
         topo = topology.detect(device_type, devices_per_node, num_nodes) if tensor else None
         dims = cls.resolve(config, world_size, devices_per_node, num_nodes, topo).build_meshes(device_type)
         lines = [f"topology: {topo.describe()}"] if topo is not None else []
-        if dims.grid is not None:
+        if dims.on_mesh:
             lines.append(dims.describe(config))
         return dims, lines
 

@@ -106,9 +106,12 @@ class PartPlan:
     skipped: str | None = None
     #: Log lines of the decisions no step below announces.
     notes: tuple[str, ...] = ()
+    #: Which part this plan is for: one of :data:`PARTS`.
+    part: str = "model"
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "part": self.part,
             "tensor_parallel": self.tensor_plan.to_dict() if self.tensor_plan is not None else None,
             "sharding": self.sharding.mode if self.sharding is not None else None,
             "activation_checkpointing": list(self.checkpoint),
@@ -196,10 +199,10 @@ def plan_part(
         # reuse) buckets are capped at 25 MiB instead, the same everywhere.
         measure_link=config.measured_buckets and config.compile_cache is None and dims.dp_enabled and dp_sync,
         lock_compiles=lock if whole else None,
-        clip="pipeline" if pipelined else "mesh" if dims.grid is not None else None,
+        clip="pipeline" if pipelined else "mesh" if dims.on_mesh else None,
         broadcast_buffers=config.broadcast_buffers and (dims.dp_enabled if pipelined else not dims.single_process),
-        implicit_replication=whole and dims.grid is not None,
-        skipped=skipped, notes=notes,
+        implicit_replication=whole and dims.on_mesh,
+        skipped=skipped, notes=notes, part=part,
     )  # fmt: skip
 
 
@@ -208,7 +211,7 @@ def sync_line(
 ) -> str:
     """The log line of the gradient-sync decision. ``replicated``: some parameters stayed out of the sharding;
     ``measured``: the buckets are sized by the measured cost model."""
-    if plan.clip == "pipeline":  # the pipelined engine: each stage over its replicas, once per micro-batch
+    if plan.part != "model":  # the pipelined engine: each stage over its replicas, once per micro-batch
         if config.sharded:
             return (
                 "sharded stages: parameter all-gathers in each stage's compiled forward, gradient reduce-scatters in"
