@@ -434,10 +434,11 @@ class SGDTPStrategy(ParallelStrategy):
                 self._report.publish(lambda: self.plan, self._engine.plan_token())
         return out
 
-    @override
-    def on_train_end(self) -> None:
+    def gather_pipeline_stages(self) -> None:
+        """With ``pipeline_stages``, each rank holds only its stages' parameters after ``fit``: this gives every rank
+        the whole trained model (each stage sent by its holder). A collective: call it on every rank."""
         if self._engine is not None:
-            self._engine.on_train_end()
+            self._engine.gather_stages()
 
     # -------------------------------------------------------------------------------------- checkpoints
     @override

@@ -34,6 +34,30 @@ from lightning_sgdtp.timeline import Timeline, label
 #: Bucket size of the eager parameter/buffer broadcasts (as DDP's).
 BROADCAST_BUCKET_BYTES = 250 * 2**20
 
+
+def broadcast_buffers(modules: list[nn.Module], group: Any) -> None:
+    """As DDP's ``broadcast_buffers``, over ``group`` (the data-parallel group: the ranks that must agree; the ranks
+    of a tensor-parallel group compute the same buffers): every replica takes the group's first rank's buffers.
+
+    Only the buffers that are state (persistent: BatchNorm statistics), each once: the non-persistent ones (rotary
+    tables, scales) are constants the model recomputes or never changes, and were made equal with the weights at
+    setup. A DTensor buffer sends its local shard, so DTensor and plain buffers are never mixed in one collective.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.utils import _sync_params_and_buffers
+
+    seen: dict[int, Tensor] = {}
+    for module in modules:
+        for m in module.modules():
+            for name, b in m._buffers.items():
+                if b is not None and name not in m._non_persistent_buffers_set:
+                    seen.setdefault(id(b), b)
+    with torch.no_grad():
+        local = [b.to_local() if isinstance(b, DTensor) else b for b in seen.values()]
+    if local:
+        _sync_params_and_buffers(group, local, BROADCAST_BUCKET_BYTES, 0)  # src: the group's rank 0
+
+
 #: ``clip(parameters, max_norm)``: clipping by the norm over every shard or stage (the precision plugin calls it).
 Clip = Callable[[list[Tensor], float], Any]
 
@@ -188,8 +212,8 @@ class StepEngine(ABC):
         if self.timeline is not None:
             self.timeline.step_ends(self._step_number)
 
-    def on_train_end(self) -> None:
-        """After ``fit``."""
+    def gather_stages(self) -> None:
+        """The whole model on every rank (a pipeline's released stages); nothing to do without a pipeline."""
 
     # ------------------------------------------------------------------------------------ checkpoints
     def local_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:

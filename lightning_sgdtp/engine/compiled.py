@@ -22,17 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch._inductor.runtime.cache_dir_utils import cache_dir
-from torch.distributed.utils import _sync_params_and_buffers
 
 from lightning_sgdtp import compile_cache
 from lightning_sgdtp.compiler import bucket_cost
 from lightning_sgdtp.compiler.artifacts import CompileLock, cost_model_folder
 from lightning_sgdtp.compiler.backend import CompileSettings, SGDTPCompiler
 from lightning_sgdtp.compiler.bucket_cost import CostModel
-from lightning_sgdtp.engine.base import BROADCAST_BUCKET_BYTES, Clip, EngineInputs, StepEngine
+from lightning_sgdtp.engine.base import Clip, EngineInputs, StepEngine, broadcast_buffers
 from lightning_sgdtp.engine.parallelize import PartPlan, parallelize, plan_part, sync_line
 from lightning_sgdtp.engine.step_compile import restore_bookkeeping, run_bookkeeping_eagerly
 from lightning_sgdtp.grad_sync import GradSync
@@ -182,7 +180,7 @@ class CompiledStep(StepEngine):
                 self.grad_sync.start_of_micro_batch()
             if self.part_plan is not None and self.part_plan.broadcast_buffers:
                 with label("sgdtp: broadcast buffers"):
-                    self._broadcast_buffers()
+                    broadcast_buffers([self.module], self.dims.dp_group)
             with self.implicit_replication():
                 return self._compiled("training_step")(*args, **kwargs)
 
@@ -197,12 +195,6 @@ class CompiledStep(StepEngine):
         """The compiled ``training_step``: the one without collectives inside an accumulation's early micro-batches."""
         sync = self.grad_sync
         return self._steps[-1] if sync is not None and sync.accumulating else self._steps[0]
-
-    def _broadcast_buffers(self) -> None:
-        """As DDP's ``broadcast_buffers``: every replica takes rank 0's buffers (BatchNorm statistics)."""
-        buffers = list(self.module.buffers())
-        if buffers:
-            _sync_params_and_buffers(dist.group.WORLD, buffers, BROADCAST_BUCKET_BYTES, 0)
 
     def before_backward(self, loss: Tensor) -> None:
         if self.grad_sync is not None:

@@ -200,7 +200,7 @@ def plan_part(
         measure_link=config.measured_buckets and config.compile_cache is None and dims.dp_enabled and dp_sync,
         lock_compiles=lock if whole else None,
         clip="pipeline" if pipelined else "mesh" if dims.on_mesh else None,
-        broadcast_buffers=config.broadcast_buffers and (dims.dp_enabled if pipelined else not dims.single_process),
+        broadcast_buffers=config.broadcast_buffers and dims.dp_enabled,  # over the data-parallel group
         implicit_replication=whole and dims.on_mesh,
         skipped=skipped, notes=notes, part=part,
     )  # fmt: skip

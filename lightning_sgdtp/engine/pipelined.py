@@ -26,11 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.utils import _sync_params_and_buffers
 
 from lightning_sgdtp.compiler.backend import CompileSettings, SGDTPCompiler
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfigError
-from lightning_sgdtp.engine.base import BROADCAST_BUCKET_BYTES, EngineInputs, StepEngine
+from lightning_sgdtp.engine.base import EngineInputs, StepEngine, broadcast_buffers
 from lightning_sgdtp.engine.parallelize import parallelize, plan_part, sync_line, tracing
 from lightning_sgdtp.grad_sync import GradSync
 from lightning_sgdtp.parallel.clipping import clip_pipeline_grad_norm_
@@ -167,10 +166,8 @@ class PipelinedStep(StepEngine):
     def _broadcast_stage_buffers(self) -> None:
         """As DDP's broadcast_buffers, per stage: the first pipeline's buffers go to the stage's replicas."""
         assert self.runner is not None
-        buffers = [b for stage in self.runner.stage_modules() for b in stage.buffers()]
-        if buffers:
-            with self.guard("broadcast_buffers"):
-                _sync_params_and_buffers(self.dims.dp_group, buffers, BROADCAST_BUCKET_BYTES, 0)  # src: group rank 0
+        with self.guard("broadcast_buffers"):
+            broadcast_buffers(list(self.runner.stage_modules()), self.dims.dp_group)
 
     def backward(self, run_backward: Callable[[], None]) -> None:
         """At the last micro-step of an optimizer step: what no graph averaged, tied sums (``run_backward`` is not
@@ -179,10 +176,11 @@ class PipelinedStep(StepEngine):
         with self.guard("pipeline gradient sync"):
             self.grad_sync.after_pipeline_backward(self.runner.local_parameters, self.runner.sum_tied_gradients)
 
-    def on_train_end(self) -> None:
-        """After fit every rank holds the whole trained model, as with data parallel."""
+    def gather_stages(self) -> None:
+        """Every rank gets the whole trained model (the other stages' parameters, from the ranks that hold them):
+        what ``SGDTPStrategy.gather_pipeline_stages()`` asks for. A collective over the pipeline group."""
         if self.runner is not None:
-            with self.guard("share stages"):
+            with self.guard("gather pipeline stages"):
                 self.runner.share_stages()
 
     # ------------------------------------------------------------------------------------- checkpoints
@@ -215,6 +213,8 @@ class PipelinedStep(StepEngine):
                 "stages_of_rank_0": runner.stage_ids if runner is not None and dist.get_rank() == 0 else None,
                 "traced": list(runner.retraced) if runner is not None else [],
                 "contiguous_boundaries": list(runner.boundaries) if runner is not None else [],
+                # this rank's parameter bytes, counted from the tensors: its stages held, the others' released
+                "held_bytes": runner.released.to_dict() if runner is not None and runner.released else None,
             },
             "activation_checkpointing": list(self.checkpointed),
             "sharding": self.sharding_plan(),

@@ -42,6 +42,7 @@ from lightning_sgdtp.parallel.pipeline_split import PipelineSplit
 from lightning_sgdtp.parallel.schedules import SCHEDULES, check_chunks, micro_batch_count
 from lightning_sgdtp.parallel.sharding import stored_parameter
 from lightning_sgdtp.parallel.stage_boundaries import make_boundaries_contiguous, send_contiguous
+from lightning_sgdtp.parallel.stage_memory import ReleasedStages
 from lightning_sgdtp.parallel.tensor import local_shard
 
 
@@ -322,6 +323,8 @@ class PipelineRunner:
         self.holders: dict[int, int] = {}
         self.retraced: list[str] = []
         self.boundaries: list[str] = []  # stage inputs / outputs made contiguous (stage_boundaries)
+        #: The other stages' parameters, released after the first training trace (stage_memory).
+        self.released: ReleasedStages | None = None
 
     # ------------------------------------------------------------------------------------ building
     def _split_spec(self) -> dict[str, Any]:
@@ -403,9 +406,11 @@ class PipelineRunner:
 
     def share_stages(self) -> None:
         """Give every rank of the pipeline the trained tensors of every stage (each sent by the rank that holds
-        it), so that after ``fit`` the LightningModule is whole on every rank, as with data parallel."""
+        it): the released parameters get storage again and the LightningModule is whole on every rank."""
         if self.pp_size == 1 or not self.names_per_stage:
             return
+        if self.released is not None:
+            self.released.restore()
         state = self.module.state_dict(keep_vars=True)
         sent: set[str] = set()
         for stage, names in enumerate(self.names_per_stage):
@@ -489,6 +494,9 @@ class PipelineRunner:
         if self.measure and hook == "training_step":
             self._measure(args, kwargs, chunks)
         built = self._build(args, kwargs, chunks)
+        if hook == "training_step" and self.released is None and self.pp_size > 1:
+            # after the split is final (a measured split re-cuts at the first training step, reading every block)
+            self.released = ReleasedStages.release(self.module, self.local_parameters)
         self._hook, self._batch_idx, self._losses = hook, batch_idx, {}
         self._micro_batches = split_batch(batch, size, chunks) if self.has_last else []
         self._scale = scale / chunks

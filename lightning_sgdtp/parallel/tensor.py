@@ -25,18 +25,20 @@ from typing import Any
 import torch
 from torch import nn
 
-STYLES = ("colwise", "rowwise", "colwise_gather", "replicate", "sequence")
+from lightning_sgdtp.parallel.styles import expert_count, linear_shape
+
+STYLES = ("colwise", "rowwise", "colwise_gather", "experts", "replicate", "sequence")
 NORMS = (nn.LayerNorm, nn.RMSNorm)
 
 # Leaf names of linear layers that read the block's input (column-parallel) and write its output (row-parallel).
 IN_NAMES = {
     "q", "k", "v", "q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv", "qkv", "qkv_proj",
     "c_attn", "wqkv", "to_q", "to_k", "to_v", "in_proj", "fc", "fc1", "c_fc", "up_proj", "gate_proj", "w1", "w3",
-    "up", "gate", "dense_h_to_4h", "wi", "lin1", "linear1", "w_in",
+    "up", "gate", "dense_h_to_4h", "wi", "lin1", "linear1", "w_in", "query_key_value", "gate_up_proj", "w13", "fc_in",
 }  # fmt: skip
 OUT_NAMES = {
     "proj", "o_proj", "out_proj", "wo", "c_proj", "o", "dense", "to_out", "fc2", "down_proj", "w2", "down",
-    "dense_4h_to_h", "lin2", "linear2", "w_out",
+    "dense_4h_to_h", "lin2", "linear2", "w_out", "fc_out",
 }  # fmt: skip
 TOKEN_EMBEDDING_NAMES = ("tok", "wte", "word", "embed_tokens", "token")
 HEAD_NAMES = {"lm_head", "head", "output", "out", "logits", "classifier"}
@@ -60,6 +62,8 @@ class TensorPlan:
     #: ``"sequence"``), or empty; ``sequence_reason`` says why it is (not) applied.
     sequence_blocks: list[str] = field(default_factory=list)
     sequence_reason: str = ""
+    #: Why a module got its style, where the style alone does not say (fused projections, experts).
+    notes: dict[str, str] = field(default_factory=dict)
     #: What the plan divides, counted from the module's parameters (:func:`coverage`); empty until measured.
     coverage: dict[str, Any] = field(default_factory=dict)
 
@@ -69,6 +73,7 @@ class TensorPlan:
             "source": self.source,
             "styles": dict(self.styles),
             "replicated": dict(self.replicated),
+            "notes": dict(self.notes),
             "sequence_parallel": {"blocks": list(self.sequence_blocks), "reason": self.sequence_reason},
             "coverage": dict(self.coverage),
         }
@@ -79,7 +84,7 @@ class TensorPlan:
         head = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
         lines = [f"tensor-parallel plan ({self.source}, tp={self.tp}): {head or 'nothing sharded'}"]
         for name, style in self.styles.items():
-            lines.append(f"  {name}: {style}")
+            lines.append(f"  {name}: {style}" + (f" ({self.notes[name]})" if name in self.notes else ""))
         reasons: dict[str, list[str]] = {}
         for name, why in self.replicated.items():
             reasons.setdefault(why, []).append(name)
@@ -152,24 +157,29 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
                 "a relative position bias over all heads is computed once and shared by the layers (T5): the heads"
                 " of this attention cannot be split"
             )
-    # 1. Column -> row pairs inside one parent module (attention, MLP).
+    # 1. Column -> row pairs inside one parent module (attention, MLP; an expert's MLP too), nn.Linear or Conv1D.
     paired: set[str] = set()
     for parent_name, parent in named.items():
         if _inside(parent_name, opaque):
             continue
         prefix = f"{parent_name}." if parent_name else ""
-        linears = {n: m for n, m in parent.named_children() if isinstance(m, nn.Linear)}
-        ins = [n for n in linears if n.lower() in IN_NAMES]
-        outs = [n for n in linears if n.lower() in OUT_NAMES]
+        shapes = {n: s for n, m in parent.named_children() if (s := linear_shape(m)) is not None}
+        ins = [n for n in shapes if n.lower() in IN_NAMES]
+        outs = [n for n in shapes if n.lower() in OUT_NAMES]
+        if not ins and not outs and isinstance(parent, nn.Sequential):
+            ins, outs = _sequential_pair(parent, shapes)
         if not ins or len(outs) != 1:
             continue
-        out = linears[outs[0]]
-        width = out.out_features
+        width_in, width = shapes[outs[0]]
+        # A fused projection (q, k and v in one layer; gate and up in one) writes more than its partner reads. It is
+        # split by output features like the others: its output stays a DTensor, which DTensor gathers where the
+        # model splits it into its parts (the weights are divided; the parts are not each split by head).
+        fused = [n for n in ins if shapes[n][1] > width_in]
         why = None
-        if any(linears[n].in_features != width for n in ins):
+        if any(shapes[n][0] != width for n in ins):
             why = f"input layers {ins} do not read the width {width} that {outs[0]} writes"
-        elif any(linears[n].out_features % tp for n in ins) or out.in_features % tp:
-            why = f"feature sizes {[linears[n].out_features for n in ins]} / {out.in_features} not divisible by tp={tp}"
+        elif any(shapes[n][1] % tp for n in ins) or width_in % tp:
+            why = f"feature sizes {[shapes[n][1] for n in ins]} / {width_in} not divisible by tp={tp}"
         elif (heads := _heads(parent)) is not None and heads % tp:
             why = f"{heads} heads are not divisible by tp={tp}"
         elif (kv_heads := _heads(parent, KV_HEAD_COUNT_ATTRS)) is not None and kv_heads % tp:
@@ -182,6 +192,11 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
             continue
         for n in ins:
             plan.styles[prefix + n] = "colwise"
+            if n in fused:
+                plan.notes[prefix + n] = (
+                    f"fused: {shapes[n][1]} outputs for {outs[0]}'s {width_in} inputs; split by output features,"
+                    " gathered where the model splits them"
+                )
         plan.styles[prefix + outs[0]] = "rowwise"
     # 2. Token embedding (vocabulary-parallel) and the LM head that produces logits over the same vocabulary.
     embeddings = {n: m for n, m in named.items() if isinstance(m, nn.Embedding) and not _inside(n, opaque)}
@@ -218,13 +233,30 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
     for n, m in named.items():
         if n in plan.styles or n in plan.replicated or _inside(n, opaque) or not n:
             continue
-        if isinstance(m, nn.Linear):
+        if linear_shape(m) is not None:
             plan.replicated[n] = "no column -> row pair found around it"
+        elif (experts := expert_count(m)) is not None:
+            if experts % tp:
+                plan.replicated[n] = f"{experts} experts are not divisible by tp={tp}"
+            else:
+                plan.styles[n] = "experts"
+                plan.notes[n] = f"expert parallel: {experts // tp} of the {experts} whole experts on each rank"
         elif (why := _not_planned(m)) is not None:
             plan.replicated[n] = why
     if sequence_parallel:
         plan_sequence_parallel(module, plan)
     return plan
+
+
+def _sequential_pair(parent: nn.Sequential, shapes: dict[str, tuple[int, int]]) -> tuple[list[str], list[str]]:
+    """An MLP written as ``nn.Sequential(Linear, activation, Linear)`` (an expert's, a block's): the two layers as an
+    in -> out pair when the second reads what the first writes and writes what it reads."""
+    between = [c for c in parent.children() if linear_shape(c) is None]
+    if len(shapes) != 2 or any(len(list(c.parameters())) for c in between):
+        return [], []
+    first, second = shapes
+    (a_in, a_out), (b_in, b_out) = shapes[first], shapes[second]
+    return ([first], [second]) if a_out == b_in and a_in == b_out else ([], [])
 
 
 def _not_planned(m: nn.Module) -> str | None:
@@ -233,15 +265,16 @@ def _not_planned(m: nn.Module) -> str | None:
     own = [p for p in m._parameters.values() if p is not None]
     if not own or isinstance(m, NORMS) or "norm" in type(m).__name__.lower():
         return None
-    if type(m).__name__ == "Conv1D":
-        return "transformers Conv1D (a Linear with its weight stored transposed): not in the automatic plan yet"
     if any(p.ndim == 3 for p in own):
-        return "3-D parameters (mixture-of-experts experts stored as one tensor): not in the automatic plan yet"
+        return (
+            "3-D parameters outside transformers' experts convention (num_experts, routing by top_k_index): name"
+            " their layers in tp_plan or shard them with sharding='full'"
+        )
     return f"{type(m).__name__}: no tensor-parallel style for it"
 
 
 #: The styles that divide a module's parameters over the tensor-parallel group.
-SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather")
+SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather", "experts")
 
 
 def coverage(module: nn.Module, plan: TensorPlan) -> dict[str, Any]:
@@ -304,7 +337,7 @@ def plan_sequence_parallel(module: nn.Module, plan: TensorPlan) -> None:
             if isinstance(m, nn.MultiheadAttention):
                 plan.sequence_reason = f"not applied: {full} is an nn.MultiheadAttention (replicated)"
                 return
-            if isinstance(m, nn.Linear) and plan.styles.get(full) not in ("colwise", "rowwise"):
+            if linear_shape(m) is not None and plan.styles.get(full) not in ("colwise", "rowwise"):
                 plan.sequence_reason = f"not applied: {full} is not split, so it would read a sequence shard"
                 return
             if isinstance(m, NORMS):
@@ -382,14 +415,12 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorPlan, tp_mesh: Any) -> 
     (by vocabulary: ``Shard(0)``), so they stay one parameter with one gradient.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel as Colwise
+    from torch.distributed.tensor.parallel import RowwiseParallel as Rowwise
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     from lightning_sgdtp.parallel import dtensor_ops
+    from lightning_sgdtp.parallel.styles import Conv1DColwise, Conv1DRowwise, ExpertParallel, is_conv1d
 
     dtensor_ops.register()
     named = dict(module.named_modules())
@@ -398,23 +429,25 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorPlan, tp_mesh: Any) -> 
     styles: dict[str, Any] = {}
     for name, style in plan.styles.items():
         sequence = name.startswith(in_sequence) if in_sequence else False
+        # transformers' Conv1D: the same styles, each parameter split on the other dimension
+        col, row = (Conv1DColwise, Conv1DRowwise) if is_conv1d(named[name]) else (Colwise, Rowwise)
         if style == "colwise":
             # In a sequence-parallel block a plain input is a sequence shard; a DTensor input is gathered.
-            styles[name] = ColwiseParallel(input_layouts=Shard(1) if sequence else Replicate(), use_local_output=False)
+            styles[name] = col(input_layouts=Shard(1) if sequence else Replicate(), use_local_output=False)
         elif style == "colwise_gather":
-            styles[name] = ColwiseParallel(output_layouts=Replicate())
+            styles[name] = col(output_layouts=Replicate())
         elif style == "rowwise":
             # Input declared Replicate: a plain (replicated) input is sliced; a DTensor from a colwise partner is
             # already Shard(-1) and passes as is. Correct for any input. In a sequence-parallel block the partial
             # sums are reduce-scattered by sequence and stay a DTensor for the residual add.
             if sequence:
-                styles[name] = RowwiseParallel(
-                    input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
-                )
+                styles[name] = row(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
             else:
-                styles[name] = RowwiseParallel(input_layouts=Replicate())
+                styles[name] = row(input_layouts=Replicate())
         elif style == "sequence":
             styles[name] = SequenceParallel()
+        elif style == "experts":
+            styles[name] = ExpertParallel()
     if styles:
         parallelize_module(module, tp_mesh, styles)
     if plan.sequence_blocks:

@@ -207,6 +207,29 @@ ZOO: dict[str, ZooEntry] = {
         "tokens",
         "transformers Qwen3ForCausalLM",
     ),
+    # mixture of experts as transformers 5 stores it (experts as 3-D parameters, top-2 of 4, grouped_mm)
+    "mixtral": ZooEntry(
+        _hf("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+        "tokens",
+        "transformers MixtralForCausalLM (MoE, 3-D experts)",
+    ),
+    # buffers: the embedding's scale and the rotary tables (non-persistent), logit soft-capping, sliding window
+    "gemma2": ZooEntry(
+        _hf("Gemma2Config", "Gemma2ForCausalLM", num_key_value_heads=2, head_dim=8, sliding_window=8),
+        "tokens",
+        "transformers Gemma2ForCausalLM (buffers)",
+    ),
+    # fused projections: q, k and v in one Linear (GQA), gate and up in one
+    "phi3": ZooEntry(
+        _hf("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=1),
+        "tokens",
+        "transformers Phi3ForCausalLM (fused qkv, fused gate/up)",
+    ),
+    "neox": ZooEntry(
+        _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", hidden_dropout=0.0, attention_dropout=0.0),
+        "tokens",
+        "transformers GPTNeoXForCausalLM (fused query_key_value)",
+    ),
     "bert": ZooEntry(_bert, "mlm", "transformers BertForMaskedLM"),
     "t5": ZooEntry(_t5, "seq2seq", "transformers T5ForConditionalGeneration"),
     "resnet": ZooEntry(_resnet, "images", "transformers ResNetForImageClassification (BatchNorm)", batch_norm=True),

@@ -249,20 +249,55 @@ def _plan_of(name: str):
     return plan_part(config, dims, zoo_module(name)).tensor_plan
 
 
+#: Issue 24's bar: on 2 tensor-parallel ranks each rank holds at most 60% of the parameter bytes. The modules whose
+#: style shows the layer kind is understood: transformers Conv1D (GPT-2), fused q/k/v and gate/up (Phi-3, GPT-NeoX),
+#: experts as 3-D parameters (Mixtral: expert parallel) and as a ModuleList of MLPs (the zoo's MoE: per-expert split).
+DIVIDED = {
+    "gpt2": {"transformer.h.0.mlp.c_fc": "colwise", "transformer.h.0.mlp.c_proj": "rowwise",
+             "transformer.h.0.attn.c_attn": "colwise", "transformer.h.0.attn.c_proj": "rowwise"},
+    "llama": {"model.layers.0.self_attn.q_proj": "colwise", "model.layers.0.mlp.down_proj": "rowwise"},
+    "qwen2": {"model.layers.0.self_attn.k_proj": "colwise"},
+    "mistral": {"model.layers.0.self_attn.v_proj": "colwise"},
+    "phi": {"model.layers.0.mlp.fc1": "colwise", "model.layers.0.mlp.fc2": "rowwise"},
+    "mixtral": {"model.layers.0.mlp.experts": "experts", "model.layers.0.self_attn.o_proj": "rowwise"},
+    "moe": {"blocks.0.moe.experts.0.0": "colwise", "blocks.0.moe.experts.3.2": "rowwise"},
+    "phi3": {"model.layers.0.self_attn.qkv_proj": "colwise", "model.layers.0.mlp.gate_up_proj": "colwise",
+             "model.layers.0.mlp.down_proj": "rowwise"},
+    "neox": {"gpt_neox.layers.0.attention.query_key_value": "colwise",
+             "gpt_neox.layers.0.attention.dense": "rowwise"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(DIVIDED))
+def test_tensor_parallel_divides_the_model(name: str) -> None:
+    """The split fraction the strategy records in ``plan['tensor']``, counted from the parameters: <= 60% per rank."""
+    plan = _plan_of(name)
+    for module, style in DIVIDED[name].items():
+        assert plan.styles.get(f"model.{module}") == style, (module, plan.styles, plan.replicated)
+    c = plan.coverage
+    assert c["held_fraction"] <= 0.6 and c["split_fraction"] >= 0.8, c
+    assert c["block_replicated_fraction"] < 0.05, (c, plan.replicated)
+    assert not any("WARNING" in line for line in plan.describe())
+    fused = [n for n in plan.styles if "fused" in plan.notes.get(n, "")]
+    assert bool(fused) == (name in ("gpt2", "phi3", "neox")), plan.notes
+
+
 def test_coverage_is_counted_and_a_mostly_replicated_model_is_named() -> None:
-    """GPT-2's blocks are transformers Conv1D: listed as replicated with the reason, the split fraction counted from
-    the parameters, and the warning names the largest with the fix. Llama's blocks are split: half per rank."""
-    gpt2 = _plan_of("gpt2")
-    conv = [n for n, why in gpt2.replicated.items() if "Conv1D" in why]
-    assert "model.transformer.h.0.attn.c_attn" in conv and "model.transformer.h.0.mlp.c_proj" in conv
-    c = gpt2.coverage
-    assert c["split_fraction"] < 0.2 and c["held_fraction"] > 0.9 and c["block_replicated_fraction"] == 1.0
-    assert c["largest_replicated"] in conv
-    assert any("WARNING" in line and "tp_plan" in line for line in gpt2.describe())
-    assert gpt2.to_dict()["coverage"] == c
-    llama = _plan_of("llama")
-    assert llama.coverage["split_fraction"] > 0.9 and 0.5 <= llama.coverage["held_fraction"] < 0.55
-    assert not any("WARNING" in line for line in llama.describe())
+    """BERT's attention and MLP pairs span two modules each (BertSelfAttention -> BertSelfOutput): its blocks stay
+    replicated, each layer with the reason, and the warning names the largest with the fix."""
+    bert = _plan_of("bert")
+    c = bert.coverage
+    assert c["held_fraction"] > 0.9 and c["block_replicated_fraction"] == 1.0, c
+    assert c["largest_replicated"] in bert.replicated
+    assert any("WARNING" in line and "tp_plan" in line for line in bert.describe())
+    assert bert.to_dict()["coverage"] == c
+
+
+def test_experts_that_do_not_divide_stay_replicated() -> None:
+    from helpers.zoo import zoo_module
+
+    plan = auto_plan(zoo_module("mixtral"), 3)
+    assert "4 experts are not divisible by tp=3" in plan.replicated["model.model.layers.0.mlp.experts"]
 
 
 def test_coverage_counts_a_tied_weight_once() -> None:

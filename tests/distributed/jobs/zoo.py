@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from helpers.training import (
     FirstStepGrads,
     gather_full,
+    held_bytes,
     metrics,
     params,
     quiet_trainer,
@@ -103,6 +104,8 @@ def main(out: Path) -> None:
     pipelined = getattr(strategy.engine, "runner", None) is not None
     final = gather_full(local_state(strategy, model)) if pipelined else params(model)
     grads = gather_full(first.grads or {})
+    held: list[Any] = [None] * trainer.world_size
+    torch.distributed.all_gather_object(held, held_bytes(model, [o for o in trainer.optimizers]))
     if trainer.global_rank == 0:
         torch.save(final, out / "sgdtp.pt")
         torch.save(grads, out / "grads.pt")
@@ -111,6 +114,9 @@ def main(out: Path) -> None:
             "metrics": metrics(trainer),
             "seconds": seconds,
             "accumulate": accumulate,
+            # per rank, counted from the tensors after fit; the whole model's parameter bytes, from the reference
+            "held": held,
+            "whole_parameter_bytes": held_bytes(zoo_module(name, optimizer, lr, layers), [])["parameters"],
         }
         (out / "info.json").write_text(json.dumps(info, default=str))
 

@@ -1,0 +1,134 @@
+"""The tensor-parallel styles torch's ``torch.distributed.tensor.parallel`` lacks, as ``ParallelStyle`` subclasses.
+
+- :class:`Conv1DColwise` / :class:`Conv1DRowwise`: transformers' ``Conv1D`` (GPT-2, ...) is a linear layer with its
+  weight stored transposed, ``(in, out)``, and computed with ``addmm``. torch's ``ColwiseParallel`` /
+  ``RowwiseParallel`` accept only ``nn.Linear`` / ``nn.Embedding``; their input and output handling is right as is,
+  only the dimension each parameter is split on swaps. So these subclasses replace the partition and nothing else.
+- :class:`ExpertParallel`: mixture-of-experts experts stored as 3-D parameters ``(experts, ..., ...)`` in
+  transformers' experts convention (``num_experts``; a forward ``(hidden_states, top_k_index, top_k_weights)`` that
+  skips expert ids ``>= num_experts``: the sentinel transformers' own expert parallelism uses). Each rank of the
+  tensor-parallel group owns ``num_experts / tp`` whole experts (the parameters are DTensors split on dim 0, so the
+  state dict, the optimizer and checkpoints see the whole tensors). Inside a tensor-parallel group every rank holds
+  the same tokens, so no token moves: each rank runs its experts on the tokens routed to them (the others get the
+  sentinel and weight 0) and one all-reduce sums the experts' outputs, as a row-parallel layer's. (An all-to-all
+  dispatch is what expert parallelism needs when the ranks hold *different* tokens, over the data-parallel group:
+  not built; see docs/tensor-parallel.md.) Written by hand: torch has no expert-parallel style.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D``: ``weight`` of shape ``(in, out)``, ``bias`` of ``(out,)``, attribute ``nf`` = out."""
+    w = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.ndim == 2 and hasattr(module, "nf")
+
+
+def linear_shape(module: nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of an ``nn.Linear`` or a transformers ``Conv1D``; None for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_conv1d(module):
+        return module.weight.shape[0], module.weight.shape[1]
+    return None
+
+
+def _distribute(module: nn.Module, mesh: Any, placements: dict[str, Any], src_data_rank: int | None) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+class Conv1DColwise(ColwiseParallel):
+    """``ColwiseParallel`` for a ``Conv1D``: the weight ``(in, out)`` split on dim 1, the bias on dim 0."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+        _distribute(module, device_mesh, {"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank)
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """``RowwiseParallel`` for a ``Conv1D``: the weight ``(in, out)`` split on dim 0, the bias replicated."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+        _distribute(module, device_mesh, {"weight": Shard(0), "bias": Replicate()}, self.src_data_rank)
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+def expert_count(module: nn.Module) -> int | None:
+    """The number of experts of a module in transformers' experts convention (3-D parameters, ``num_experts``,
+    ``_is_expert_parallel``), or None."""
+    own = [p for p in module._parameters.values() if p is not None]
+    count = getattr(module, "num_experts", None)
+    if not own or not isinstance(count, int) or not hasattr(module, "_is_expert_parallel"):
+        return None
+    return count if all(p.ndim == 3 and p.shape[0] == count for p in own) else None
+
+
+def _replicated_input(t: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """``t`` (the same on every rank) as this rank's input to a partial computation: its gradient is summed over the
+    group in backward (each rank's experts contribute only their part of it)."""
+    if not isinstance(t, torch.Tensor) or not t.requires_grad:
+        return t
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class ExpertParallel(ParallelStyle):
+    """Whole experts per rank over a tensor-parallel group whose ranks hold the same tokens (see the module doc)."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        total = expert_count(module)
+        size, rank = device_mesh.size(), device_mesh.get_local_rank()
+        assert total is not None and total % size == 0, (type(module).__name__, total, size)
+        local = total // size
+        names = [n for n, p in module._parameters.items() if p is not None]
+        _distribute(module, device_mesh, dict.fromkeys(names, Shard(0)), None)
+        # transformers' convention: ids >= num_experts are not this rank's (skipped or given weight 0)
+        module.num_experts = local
+        module._is_expert_parallel = True
+        forward = type(module).forward
+        first = rank * local
+
+        def expert_parallel_forward(
+            hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        ) -> torch.Tensor:
+            ids = top_k_index - first
+            others = (ids < 0) | (ids >= local)
+            ids = ids.masked_fill(others, local)
+            weights = _replicated_input(top_k_weights, device_mesh).masked_fill(others, 0.0)
+            hidden = _replicated_input(hidden_states, device_mesh)
+            shards = {n: module._parameters[n].to_local() for n in names}
+            with _reparametrize_module(module, shards):
+                out = forward(module, hidden, ids, weights)
+            # the experts' outputs summed over the group (one all-reduce, as a row-parallel layer's)
+            return DTensor.from_local(out, device_mesh, [Partial()], run_check=False).full_tensor()
+
+        module.forward = expert_parallel_forward
+        return module
