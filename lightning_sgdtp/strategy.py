@@ -565,9 +565,10 @@ class SGDTPStrategy(ParallelStrategy):
         self._guard.close()
         if self._watchdog is not None:
             self._watchdog.close()
-        if self.lightning_module is not None and is_tensor_parallel(self.lightning_module):  # a module on its mesh
+        in_place = self._engine is not None and self._engine.holds_a_part
+        if self.lightning_module is not None and (in_place or is_tensor_parallel(self.lightning_module)):  # on a mesh
             # As Lightning's ModelParallelStrategy: a split module stays where it is (``module.cpu()`` cannot swap
-            # DTensor parameters); the rest of Strategy.teardown.
+            # DTensor parameters, nor copy a pipeline's released ones); the rest of Strategy.teardown.
             assert self.cluster_environment is not None and self.accelerator is not None
             self.cluster_environment.teardown()
             _optimizers_to_device(self.optimizers, torch.device("cpu"))

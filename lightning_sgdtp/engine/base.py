@@ -212,6 +212,11 @@ class StepEngine(ABC):
         if self.timeline is not None:
             self.timeline.step_ends(self._step_number)
 
+    @property
+    def holds_a_part(self) -> bool:
+        """Whether this rank's module holds only its part (a pipeline's released stages): it stays where it is."""
+        return False
+
     def gather_stages(self) -> None:
         """The whole model on every rank (a pipeline's released stages); nothing to do without a pipeline."""
 

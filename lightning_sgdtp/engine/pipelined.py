@@ -45,6 +45,7 @@ class PipelinedStep(StepEngine):
         self.runner: PipelineRunner | None = None
         self.split: PipelineSplit | None = None
         self._zero_grad: Callable[..., Any] | None = None
+        self._said_weighted = False
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self, fitting: bool, accumulate: int) -> Callable[[list[Tensor], float], None]:
@@ -132,6 +133,8 @@ class PipelinedStep(StepEngine):
         if self.part_plan is not None and self.part_plan.broadcast_buffers:
             self._broadcast_stage_buffers()
         loss = self.run("training_step", batch, batch_idx, scale=1.0 / accumulate)
+        assert self.runner is not None
+        self.runner.release_other_stages(optimizers)  # a rank holds only its stages from here on
         return torch.tensor(loss, device=self.device)
 
     def run(self, hook: str, batch: Any, batch_idx: int, scale: float = 1.0) -> float | None:
@@ -146,6 +149,13 @@ class PipelinedStep(StepEngine):
             self.report.say(
                 f"pipeline: {len(self.runner.boundaries)} stage boundary tensor(s) are views (e.g."
                 f" {self.runner.boundaries[0]}): sent and received contiguous (send/recv need dense tensors)"
+            )
+        if self.runner.weighted and not self._said_weighted:
+            self._said_weighted = True
+            self.report.say(
+                "pipeline: the batch's labels hold -100 (padding): each micro-batch's loss weighs its share of the"
+                " labels that are not -100, so the step is the one of training without the pipeline for a loss that"
+                " is a mean over those labels (cross_entropy's default)"
             )
         replay_logs(self.module, result.logs, self.device)
         return result.loss
@@ -175,6 +185,10 @@ class PipelinedStep(StepEngine):
         assert self.runner is not None and self.grad_sync is not None
         with self.guard("pipeline gradient sync"):
             self.grad_sync.after_pipeline_backward(self.runner.local_parameters, self.runner.sum_tied_gradients)
+
+    @property
+    def holds_a_part(self) -> bool:
+        return self.runner is not None and self.runner.released is not None and bool(self.runner.released.slots)
 
     def gather_stages(self) -> None:
         """Every rank gets the whole trained model (the other stages' parameters, from the ranks that hold them):

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_sgdtp.comm import all_reduce_flat
 from lightning_sgdtp.faults import is_distributed_error
 from lightning_sgdtp.parallel.pipeline_split import PipelineSplit
-from lightning_sgdtp.parallel.schedules import SCHEDULES, check_chunks, micro_batch_count
+from lightning_sgdtp.parallel.schedules import SCHEDULES, check_chunks, micro_batch_count, micro_batch_weights
 from lightning_sgdtp.parallel.sharding import stored_parameter
 from lightning_sgdtp.parallel.stage_boundaries import make_boundaries_contiguous, send_contiguous
 from lightning_sgdtp.parallel.stage_memory import ReleasedStages
@@ -178,10 +178,12 @@ class LogRecorder:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.calls: dict[str, _LogCall] = {}
+        #: The weight of the micro-batch now running (its loss's weight in the step): values are averaged with it.
+        self.weight = 1.0
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         call = self.calls.setdefault(name, _LogCall(args, kwargs))
-        call.values.append(value)
+        call.values.append((value, self.weight))
 
     def summary(self) -> list[tuple[str, str, Any, tuple, dict]]:
         """``(name, kind, value, args, kwargs)``: kind ``"metric"`` (value: the metric's module path) or
@@ -191,7 +193,7 @@ class LogRecorder:
         paths = {id(m): n for n, m in self.module.named_modules()}
         out = []
         for name, call in self.calls.items():
-            last = call.values[-1]
+            last = call.values[-1][0]
             if isinstance(last, Metric):
                 if id(last) not in paths:
                     raise PipelineContractError(
@@ -200,7 +202,9 @@ class LogRecorder:
                     )
                 out.append((name, "metric", paths[id(last)], call.args, call.kwargs))
                 continue
-            numbers = [float(v.detach().float().mean()) if isinstance(v, Tensor) else float(v) for v in call.values]
+            numbers = [
+                (float(v.detach().float().mean()) if isinstance(v, Tensor) else float(v)) * w for v, w in call.values
+            ]
             out.append((name, "value", math.fsum(numbers) / len(numbers), call.args, call.kwargs))
         return out
 
@@ -317,6 +321,9 @@ class PipelineRunner:
         self._batch_idx = 0
         self._scale = 1.0
         self._losses: dict[int, float] = {}
+        self._weights: list[float] | None = None
+        #: A batch met whose labels hold the ignore index: micro-batch losses weighted by their counted labels.
+        self.weighted = False
         self._recorder: LogRecorder | None = None
         self.local_parameters: list[nn.Parameter] = []
         self.tied: list[nn.Parameter] = []
@@ -340,7 +347,8 @@ class PipelineRunner:
         built = self._built.get(key)
         if built is not None:
             return built
-        with _forwards_kept(self.module), self.tracing():
+        lent = self.released.lent_for_tracing() if self.released is not None else contextlib.nullcontext()
+        with _forwards_kept(self.module), self.tracing(), lent:
             try:
                 pipe = pipelining.pipeline(self.module, mb_args=mb_args, mb_kwargs=mb_kwargs or None,
                                            split_spec=self._split_spec())  # fmt: skip
@@ -403,6 +411,12 @@ class PipelineRunner:
         self._built, self.names_per_stage, self.local_parameters = {}, [], []
         if self.on_split is not None:
             self.on_split(self.split)
+
+    def release_other_stages(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Free the parameters of the other ranks' stages (stage_memory), once, after the first training step's
+        schedule (the split is final then: a measured split re-cuts at that step, reading every block)."""
+        if self.released is None and self.pp_size > 1 and self.local_parameters:
+            self.released = ReleasedStages.release(self.module, self.local_parameters, optimizers, self.device)
 
     def share_stages(self) -> None:
         """Give every rank of the pipeline the trained tensors of every stage (each sent by the rank that holds
@@ -467,6 +481,8 @@ class PipelineRunner:
             _replaced(self.module, "forward", lambda *a, **k: output),
             _replaced(self.module, "log", self._recorder.log),
         ):
+            weight = self._weights[i] if self._weights is not None else 1.0
+            self._recorder.weight = weight
             out = getattr(self.module, self._hook)(self._micro_batches[i], self._batch_idx)
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if loss is None:
@@ -481,8 +497,8 @@ class PipelineRunner:
                 f"{self._hook} returned {type(loss).__name__}; the pipeline needs a scalar loss tensor (mean over the"
                 " micro-batch)."
             )
-        self._losses[i] = float(loss.detach())
-        return loss * self._scale
+        self._losses[i] = float(loss.detach()) * weight
+        return loss * (self._scale * weight)
 
     def run(self, hook: str, batch: Any, batch_idx: int, scale: float = 1.0) -> StepResult:
         """One step of ``hook`` (``training_step``: forward and backward of every micro-batch, gradients
@@ -494,11 +510,11 @@ class PipelineRunner:
         if self.measure and hook == "training_step":
             self._measure(args, kwargs, chunks)
         built = self._build(args, kwargs, chunks)
-        if hook == "training_step" and self.released is None and self.pp_size > 1:
-            # after the split is final (a measured split re-cuts at the first training step, reading every block)
-            self.released = ReleasedStages.release(self.module, self.local_parameters)
         self._hook, self._batch_idx, self._losses = hook, batch_idx, {}
         self._micro_batches = split_batch(batch, size, chunks) if self.has_last else []
+        self._weights = micro_batch_weights(self._micro_batches) if self._micro_batches else None
+        self.weighted = self.weighted or self._weights is not None
+
         self._scale = scale / chunks
         self._recorder = LogRecorder(self.module)
         target = torch.arange(chunks, device=self.device) if self.has_last else None

@@ -50,3 +50,29 @@ def micro_batch_count(batch_size: int, chunks: int) -> int:
     """Micro-batches for a batch: ``chunks``, or for a batch it does not divide (the last of an epoch) the
     largest count <= ``chunks`` that divides it, so every micro-batch has the same shape."""
     return max(c for c in range(1, min(chunks, batch_size) + 1) if batch_size % c == 0)
+
+
+#: ``F.cross_entropy``'s default ``ignore_index``: the label every fine-tuning collator puts on padding.
+IGNORE_INDEX = -100
+
+
+def micro_batch_weights(micro_batches: list) -> list[float] | None:
+    """How much each micro-batch's loss counts in the step, so that the step is the one of training without the
+    pipeline when the loss is a mean over the labels that are not :data:`IGNORE_INDEX` (``cross_entropy``'s mean
+    over the real tokens of a padded batch): micro-batch i weighs ``chunks x n_i / n``, ``n_i`` its counted labels.
+    None (every micro-batch weighs 1) when no integer tensor of the batch holds the ignore index."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    leaves = [tree_flatten(mb)[0] for mb in micro_batches]
+    labelled = [
+        j
+        for j, x in enumerate(leaves[0])
+        if isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dim() > 0
+        if any(bool((mb[j] == IGNORE_INDEX).any()) for mb in leaves)
+    ]
+    if not labelled:
+        return None
+    counts = [sum(int((mb[j] != IGNORE_INDEX).sum()) for j in labelled) for mb in leaves]
+    total = sum(counts)
+    return [len(counts) * c / total for c in counts] if total else None

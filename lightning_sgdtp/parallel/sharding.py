@@ -401,6 +401,8 @@ def held_bytes(module: nn.Module, optimizers: list[torch.optim.Optimizer] = ()) 
         if not isinstance(t, Tensor):
             return 0
         local = _local(t)
+        if local.is_meta:  # a pipeline's released parameter (stage_memory): nothing held
+            return 0
         storage = local.untyped_storage()  # what the process really holds (a view keeps its whole storage)
         key = storage.data_ptr() if local.numel() else id(local)
         if key in seen:

@@ -1,19 +1,21 @@
 """A pipeline rank holds only its stages: the other stages' parameters are released after the split.
 
-Every rank builds the whole LightningModule (Lightning calls ``configure_model``/``__init__`` on each), and torch's
-pipeline frontend traces all of it. Once this rank's stages are built and linked to the module's own parameters,
-the parameters no local stage uses have their storage freed (``untyped_storage().resize_(0)``, as FSDP1 frees a flat
-parameter): the Parameter objects stay, with their shapes, names and places in the optimizer, so the state dict
-keeps its keys, a later trace of a new micro-batch shape still sees every shape (``torch.export`` reads metadata,
-never values), and the optimizer never makes state for them (they never get a gradient here). A tensor with no
-storage must not be read: only :meth:`ReleasedStages.restore` brings the values back (a collective: each stage's
-holder sends its tensors), when the user asks for the whole model (``SGDTPStrategy.gather_pipeline_stages()``).
-Checkpoints never need it: every rank saves its stages' part (a sharded folder).
+Every rank builds the whole LightningModule (Lightning calls ``__init__``/``configure_model`` on each), and torch's
+pipeline frontend traces all of it. Once this rank's stages are built and linked to the module's own parameters and
+the first training step begins, every parameter no local stage uses is replaced in the module by a parameter of the
+same shape on the meta device and dropped from the optimizers' parameter groups (it never gets a gradient here, so
+it has no optimizer state), and its memory is freed. Reading one raises torch's "meta tensor" error rather than
+returning stale values. A later trace (a new micro-batch shape, validation) sees every shape: ``torch.export`` reads
+only metadata, so the released parameters are lent to it as tensors of their shape and device with no storage, for
+the trace only. Checkpoints never need the others' values (every rank saves its stages' part, a sharded folder);
+:meth:`ReleasedStages.restore` gives them storage again when the user asks for the whole model
+(``SGDTPStrategy.gather_pipeline_stages()``, which then fills them from the ranks that hold them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -26,50 +28,79 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def nbytes(t: Tensor) -> int:
-    """The bytes this rank holds of ``t`` (a DTensor: its shard; released: none)."""
-    local = _local(t)
-    return local.untyped_storage().nbytes() and local.numel() * local.element_size()
+def _empty_like(p: Tensor, device: torch.device, storage: bool) -> nn.Parameter:
+    """A parameter like ``p`` (a DTensor: a DTensor on the same mesh), uninitialised; ``storage=False``: none."""
+    from torch.distributed.tensor import DTensor
 
-
-def is_released(t: Tensor) -> bool:
-    local = _local(t)
-    return local.numel() > 0 and local.untyped_storage().nbytes() == 0
+    local = _local(p)
+    empty = torch.empty(local.shape, dtype=local.dtype, device=device)
+    if not storage:
+        empty.untyped_storage().resize_(0)
+    if isinstance(p, DTensor):
+        empty = DTensor.from_local(
+            empty, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+    return nn.Parameter(empty, requires_grad=p.requires_grad)
 
 
 @dataclass
 class ReleasedStages:
     """The parameters this rank released (of the other ranks' stages), and what it still holds."""
 
-    parameters: list[nn.Parameter] = field(default_factory=list)
-    storage_bytes: list[int] = field(default_factory=list)
+    #: (owner module, attribute, the meta stand-in, makes a tensor like the original: storage or not)
+    slots: list[tuple[nn.Module, str, nn.Parameter, Callable[[bool], nn.Parameter]]] = field(default_factory=list)
     released_bytes: int = 0
     held_bytes: int = 0
+    count: int = 0
 
     @classmethod
-    def release(cls, module: nn.Module, keep: Iterable[Tensor]) -> ReleasedStages:
-        """Free the storage of every parameter of ``module`` not in ``keep`` (this rank's stages' parameters)."""
+    def release(
+        cls,
+        module: nn.Module,
+        keep: Iterable[Tensor],
+        optimizers: Iterable[torch.optim.Optimizer],
+        device: torch.device,
+    ) -> ReleasedStages:
+        """Replace every parameter of ``module`` not in ``keep`` (this rank's stages') by a meta stand-in, and drop
+        it from ``optimizers``."""
         kept = {id(p) for p in keep}
-        out = cls()
-        with torch.no_grad():
-            for p in module.parameters():
-                size = nbytes(p)
-                if id(p) in kept or is_released(p):
-                    out.held_bytes += size
+        out, stand_ins = cls(), {}
+        for owner in module.modules():
+            for attr, p in list(owner._parameters.items()):
+                if p is None or id(p) in kept or p.is_meta:
                     continue
-                out.storage_bytes.append(_local(p).untyped_storage().nbytes())
-                _local(p).untyped_storage().resize_(0)
-                out.parameters.append(p)
-                out.released_bytes += size
+                if id(p) not in stand_ins:
+                    local = _local(p)
+                    stand_ins[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+                    out.released_bytes += local.numel() * local.element_size()
+                    out.count += 1
+                out.slots.append((owner, attr, stand_ins[id(p)], lambda storage, p=p: _empty_like(p, device, storage)))
+                owner._parameters[attr] = stand_ins[id(p)]
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [q for q in group["params"] if id(q) not in stand_ins]
+        out.held_bytes = sum(_local(p).numel() * _local(p).element_size() for p in module.parameters() if not p.is_meta)
         return out
 
+    @contextlib.contextmanager
+    def lent_for_tracing(self) -> Iterator[None]:
+        """While ``torch.export`` traces the module: each stand-in replaced by a tensor of its shape and device
+        with no storage (a trace reads metadata only), put back after."""
+        lent: dict[int, nn.Parameter] = {}
+        try:
+            for owner, attr, stand_in, make in self.slots:
+                owner._parameters[attr] = lent.setdefault(id(stand_in), make(False))
+            yield
+        finally:
+            for owner, attr, stand_in, _ in self.slots:
+                owner._parameters[attr] = stand_in
+
     def restore(self) -> None:
-        """Give the released parameters storage again (uninitialised: the caller fills them)."""
-        with torch.no_grad():
-            for p, size in zip(self.parameters, self.storage_bytes):
-                _local(p).untyped_storage().resize_(size)
-        self.parameters, self.storage_bytes, self.held_bytes = [], [], self.held_bytes + self.released_bytes
-        self.released_bytes = 0
+        """The released parameters back in the module with storage (uninitialised: the caller fills them)."""
+        made: dict[int, nn.Parameter] = {}
+        for owner, attr, stand_in, make in self.slots:
+            owner._parameters[attr] = made.setdefault(id(stand_in), make(True))
+        self.slots, self.held_bytes, self.released_bytes = [], self.held_bytes + self.released_bytes, 0
 
     def to_dict(self) -> dict[str, int]:
-        return {"parameters": self.held_bytes, "released": self.released_bytes, "released_count": len(self.parameters)}
+        return {"parameters": self.held_bytes, "released": self.released_bytes, "released_count": self.count}

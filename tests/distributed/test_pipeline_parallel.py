@@ -139,7 +139,13 @@ def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFac
     rel = rel_update_diff(r["init"], r["ref"], r["sgdtp"])
     assert rel < REL_TOL[case.precision], f"{name}: relative update difference {rel:.3g}"
     assert torch.equal(r["sgdtp"]["model.tok_emb.weight"], r["sgdtp"]["model.lm_head.weight"])  # tie kept
-    assert all(r["info"]["whole_on_every_rank"])  # after fit, model.state_dict() is the trained model on every rank
+    # what a pipeline is for: after fit a rank holds its stages' parameters and AdamW state, not every stage's
+    whole, stages = r["info"]["whole_parameter_bytes"], case.scenario()["phases"][-1].get("pipeline_stages", 1)
+    if stages > 1:
+        for held in r["info"]["held"]:
+            assert held["parameters"] <= 0.6 * whole and held["optimizer"] <= 0.6 * 2 * whole, (held, whole)
+    # gather_pipeline_stages() asked for: model.state_dict() is the trained model on every rank
+    assert all(r["info"]["whole_on_every_rank"])
     if "gradient_clip_val" in case.trainer:
         norm = sum(float(g.norm() ** 2) for g in r["ref_grads"].values()) ** 0.5
         assert norm > 0.3 * 2, norm  # clipping (gradient_clip_val=0.3) really acted, on the global norm
@@ -220,7 +226,7 @@ def test_pipelines_with_data_parallel_sync_inside_each_stage(tmp_path_factory: p
 
 def test_sharded_stages_gather_and_reduce_scatter_inside_their_graphs(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Each stage split over its 2 replicas: every stage backward graph reduce-scatters (proved at compile time),
-    and each rank holds half the parameters + AdamW state it would hold replicated."""
+    and each rank holds a quarter of the parameters + AdamW state it would hold replicated (its stage, halved)."""
     r = result("pp2_dp2_sharded_full", tmp_path_factory)
     plan = r["info"]["plans"][0]
     pipeline = plan["pipeline"]  # 2 pipelines of 2 stages: stage s of pipeline p on rank s * dp + p
@@ -232,9 +238,9 @@ def test_sharded_stages_gather_and_reduce_scatter_inside_their_graphs(tmp_path_f
     assert backward and all(g["proved_reduced"] == g["sharded_gradients"] > 0 for g in backward), sharding
     assert all(g["collectives_in_backward"].get("reduce_scatter_tensor") for g in backward), sharding
     assert all(g["collectives_in_forward"].get("all_gather_into_tensor") for g in sharding["collectives_per_graph"])
-    held = sharding["held_bytes"]  # every rank shards the whole module (its copies of other stages too)
-    assert held["parameters"] <= part["param_bytes_before"] / 2 + part["largest_block_bytes"], (held, part)
-    assert held["optimizer_state"] <= part["param_bytes_before"] + part["largest_block_bytes"], (held, part)
+    held = sharding["held_bytes"]  # a rank holds its 1/dp share of its own stage only: 1/4 of the module
+    assert held["parameters"] <= part["param_bytes_before"] / 4 + part["largest_block_bytes"], (held, part)
+    assert held["optimizer_state"] <= part["param_bytes_before"] / 2 + part["largest_block_bytes"], (held, part)
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ from helpers.training import (
     SaveAt,
     full,
     gather_full,
+    held_bytes,
     metrics,
     params,
     quiet_trainer,
@@ -99,7 +100,9 @@ def main(out: Path) -> None:
         plans.append(strategy.plan)
         logged.append(metrics(run))
         final = gather_full(local_state(strategy, model))
-        # after fit the module is whole on every rank (the stages shared), as with data parallel
+        held = held_bytes(model, run.optimizers)  # after fit a rank holds its stages only (issue 24)
+        # asked for, the module is whole on every rank (each stage sent by its holder)
+        strategy.gather_pipeline_stages()
         whole = all(torch.equal(full(v), final[k]) for k, v in model.state_dict().items())
         if i == 0:
             step_grads = gather_full(first.grads or {})
@@ -111,10 +114,13 @@ def main(out: Path) -> None:
     dist.all_gather_object(every_rank, logged)
     wholes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(wholes, whole)
+    helds: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(helds, held)
     if run.global_rank == 0:
         torch.save(final, out / "sgdtp.pt")
         torch.save(step_grads, out / "grads.pt")
-        info = {"plans": plans, "ckpt": str(ckpt), "metrics": every_rank, "whole_on_every_rank": wholes}
+        info = {"plans": plans, "ckpt": str(ckpt), "metrics": every_rank, "whole_on_every_rank": wholes, "held": helds,
+                "whole_parameter_bytes": held_bytes(pp_gpt(), [])["parameters"]}  # fmt: skip
         (out / "info.json").write_text(json.dumps(info, default=str))
 
 
