@@ -35,16 +35,12 @@ from lightning_sgdtp.timeline import Timeline, label
 BROADCAST_BUCKET_BYTES = 250 * 2**20
 
 
-def broadcast_buffers(modules: list[nn.Module], group: Any) -> None:
-    """As DDP's ``broadcast_buffers``, over ``group`` (the data-parallel group: the ranks that must agree; the ranks
-    of a tensor-parallel group compute the same buffers): every replica takes the group's first rank's buffers.
-
-    Only the buffers that are state (persistent: BatchNorm statistics), each once: the non-persistent ones (rotary
-    tables, scales) are constants the model recomputes or never changes, and were made equal with the weights at
-    setup. A DTensor buffer sends its local shard, so DTensor and plain buffers are never mixed in one collective.
-    """
+def synced_buffers(modules: list[nn.Module]) -> list[Tensor]:
+    """The buffers replicas must agree on, each once, as this rank's tensors: the persistent ones (state: BatchNorm
+    statistics), not the non-persistent constants (rotary tables, scales: the model recomputes or never changes them,
+    and they were made equal with the weights at setup). A DTensor buffer gives its local shard, so DTensor and plain
+    buffers never meet in one collective."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.utils import _sync_params_and_buffers
 
     seen: dict[int, Tensor] = {}
     for module in modules:
@@ -53,7 +49,15 @@ def broadcast_buffers(modules: list[nn.Module], group: Any) -> None:
                 if b is not None and name not in m._non_persistent_buffers_set:
                     seen.setdefault(id(b), b)
     with torch.no_grad():
-        local = [b.to_local() if isinstance(b, DTensor) else b for b in seen.values()]
+        return [b.to_local() if isinstance(b, DTensor) else b for b in seen.values()]
+
+
+def broadcast_buffers(modules: list[nn.Module], group: Any) -> None:
+    """As DDP's ``broadcast_buffers``, over ``group`` (the data-parallel group: the ranks of a tensor-parallel group
+    compute the same buffers): every replica takes the group's first rank's :func:`synced_buffers`."""
+    from torch.distributed.utils import _sync_params_and_buffers
+
+    local = synced_buffers(modules)
     if local:
         _sync_params_and_buffers(group, local, BROADCAST_BUCKET_BYTES, 0)  # src: the group's rank 0
 

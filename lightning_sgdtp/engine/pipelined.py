@@ -211,7 +211,11 @@ class PipelinedStep(StepEngine):
         with self.guard("full_state_dict"):
             dist.all_gather_object(parts, local, group=self.runner.group)
         merged = {k: v for part in parts for k, v in part.items()}
-        return {k: merged.get(k, v.detach().cpu()).to(v.device) for k, v in state.items()}
+        # a released parameter (meta: another rank's stage) comes from its holder, onto this rank's device
+        return {
+            k: (merged[k] if k in merged else v.detach().cpu()).to(self.device if v.is_meta else v.device)
+            for k, v in state.items()
+        }
 
     # -------------------------------------------------------------------------------------------- plan
     def plan(self) -> dict[str, Any]:

@@ -350,25 +350,13 @@ def whole_for_tracing(module: nn.Module) -> Iterator[None]:
             for attr, p in list(mod._parameters.items()):
                 if isinstance(p, DTensor) and getattr(p, MARK, False):
                     if id(p) not in whole:
-                        whole[id(p)] = nn.Parameter(_whole_for_tracing(p), requires_grad=p.requires_grad)
+                        whole[id(p)] = nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad)
                     swapped.append((mod, attr, p))
                     mod._parameters[attr] = whole[id(p)]
         yield
     finally:
         for mod, attr, p in swapped:
             mod._parameters[attr] = p
-
-
-def _whole_for_tracing(p: Tensor) -> Tensor:
-    """A sharded parameter gathered whole; one of another pipeline stage (released: stage_memory) as a tensor of its
-    shape with no storage (the trace reads shapes only)."""
-    from lightning_sgdtp.parallel.stage_memory import is_released
-
-    if not is_released(p):
-        return p.full_tensor().detach()
-    empty = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-    empty.untyped_storage().resize_(0)
-    return empty
 
 
 def _local(t: Tensor) -> Tensor:

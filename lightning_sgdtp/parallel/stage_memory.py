@@ -29,13 +29,17 @@ def _local(t: Tensor) -> Tensor:
 
 
 def _empty_like(p: Tensor, device: torch.device, storage: bool) -> nn.Parameter:
-    """A parameter like ``p`` (a DTensor: a DTensor on the same mesh), uninitialised; ``storage=False``: none."""
+    """``storage=True``: a parameter like ``p`` (a DTensor: a DTensor on the same mesh), uninitialised. ``False``:
+    for a trace, a plain tensor of ``p``'s whole shape with no storage (as the trace sees a sharded parameter:
+    whole, ``sharding.whole_for_tracing``)."""
     from torch.distributed.tensor import DTensor
 
+    if not storage:
+        empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+        empty.untyped_storage().resize_(0)
+        return nn.Parameter(empty, requires_grad=p.requires_grad)
     local = _local(p)
     empty = torch.empty(local.shape, dtype=local.dtype, device=device)
-    if not storage:
-        empty.untyped_storage().resize_(0)
     if isinstance(p, DTensor):
         empty = DTensor.from_local(
             empty, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()

@@ -221,7 +221,16 @@ ZOO: dict[str, ZooEntry] = {
     ),
     # fused projections: q, k and v in one Linear (GQA), gate and up in one
     "phi3": ZooEntry(
-        _hf("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=1),
+        _hf(
+            "Phi3Config",
+            "Phi3ForCausalLM",
+            num_key_value_heads=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=1,
+        ),
         "tokens",
         "transformers Phi3ForCausalLM (fused qkv, fused gate/up)",
     ),
@@ -289,8 +298,10 @@ def zoo_module(name: str, optimizer: str = "adamw", lr: float = 1e-2, layers: in
     return ZooModule(name, optimizer, lr, layers)
 
 
-def zoo_data(name: str, n: int = 64, batch_size: int = 4, seed: int = 1234) -> DataLoader:
-    """Deterministic data for ``name``'s kind: next-token pairs, masked-LM pairs, seq2seq triples or images."""
+def zoo_data(name: str, n: int = 64, batch_size: int = 4, seed: int = 1234, padded: bool = False) -> DataLoader:
+    """Deterministic data for ``name``'s kind: next-token pairs, masked-LM pairs, seq2seq triples or images.
+    ``padded`` (next-token pairs): each sample is 2 .. SEQ tokens long, padded with id 0 and labelled -100 on the
+    padding, as a fine-tuning collator pads (``cross_entropy`` averages over the real tokens)."""
     g = torch.Generator().manual_seed(seed)
     kind = ZOO[name].data
     if kind == "images":
@@ -305,5 +316,9 @@ def zoo_data(name: str, n: int = 64, batch_size: int = 4, seed: int = 1234) -> D
             y = x.flip(1)
             tensors = (x, torch.cat([torch.zeros(n, 1, dtype=x.dtype), y[:, :-1]], dim=1), y)
         else:
-            tensors = (x, torch.roll(x, -1, dims=1))
+            y = torch.roll(x, -1, dims=1)
+            if padded:
+                pad = torch.arange(SEQ) >= torch.randint(2, SEQ + 1, (n, 1), generator=g)
+                x, y = x.masked_fill(pad, 0), y.masked_fill(pad, -100)
+            tensors = (x, y)
     return DataLoader(TensorDataset(*tensors), batch_size=batch_size, shuffle=False)

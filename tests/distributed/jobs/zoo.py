@@ -4,6 +4,7 @@ model trained in one process on the same global batches.
 Usage: python tests/distributed/jobs/zoo.py OUT_DIR [SCENARIO], with the scenario (JSON; else OUT_DIR/scenario.json)
 = {"model": zoo name, "devices": N, "dp": data-parallel size, "sgdtp": SGDTPStrategy kwargs, "trainer": Trainer
 kwargs (precision, accumulate_grad_batches, ...), "optimizer": "adamw" | "sgd", "lr": float, "steps": int,
+"padded": bool (text padded per sample, labels -100 on the padding),
 "env": {name: value} set on every rank (e.g. the negative-control switch), "reference": "ddp" (Lightning's DDP on
 the same ranks: for BatchNorm models, whose batch statistics are per rank) or absent (one process)}.
 
@@ -62,6 +63,7 @@ def main(out: Path) -> None:
     scenario = read_scenario(out, sys.argv[2] if len(sys.argv) > 2 else None)
     name, devices, dp = scenario["model"], scenario["devices"], scenario["dp"]
     batch, layers = scenario.get("batch", BATCH), scenario.get("layers", 2)
+    padded = scenario.get("padded", False)  # padded text, labels -100 on the padding (zoo_data)
     optimizer, lr, steps = scenario.get("optimizer", "adamw"), scenario.get("lr", 1e-2), scenario.get("steps", 4)
     trainer_kwargs = dict(scenario.get("trainer", {}))
     os.environ.update(scenario.get("env", {}))
@@ -72,7 +74,7 @@ def main(out: Path) -> None:
         init = params(ref_model)
         grads = FirstStepGrads()
         ref = quiet_trainer("ddp", out / "ref", devices=devices, callbacks=[grads], max_steps=steps, **trainer_kwargs)
-        ref.fit(ref_model, zoo_data(name, SAMPLES, batch_size=batch))
+        ref.fit(ref_model, zoo_data(name, SAMPLES, batch_size=batch, padded=padded))
         if ref.global_rank == 0:
             torch.save(init, out / "init.pt")
             torch.save(params(ref_model), out / "ref.pt")
@@ -84,7 +86,7 @@ def main(out: Path) -> None:
         grads = FirstStepGrads()
         ref = quiet_trainer("auto", out / "ref", devices=1, callbacks=[grads], max_steps=steps, **trainer_kwargs)
         started = time.perf_counter()
-        ref.fit(ref_model, shuffled_like_lightning(zoo_data(name, SAMPLES), batch * dp))
+        ref.fit(ref_model, shuffled_like_lightning(zoo_data(name, SAMPLES, padded=padded), batch * dp))
         (out / "ref.json").write_text(json.dumps({"metrics": metrics(ref), "seconds": time.perf_counter() - started}))
         torch.save(params(ref_model), out / "ref.pt")
         torch.save(grads.grads, out / "ref_grads.pt")
@@ -97,7 +99,7 @@ def main(out: Path) -> None:
         strategy, out / "sgdtp", devices=devices, callbacks=[first], max_steps=steps, **trainer_kwargs
     )
     started = time.perf_counter()
-    trainer.fit(model, zoo_data(name, SAMPLES, batch_size=batch))
+    trainer.fit(model, zoo_data(name, SAMPLES, batch_size=batch, padded=padded))
     seconds = time.perf_counter() - started
     # A pipeline's stages merged; otherwise rank 0's state (each replica has all of it, and its buffers are the ones
     # broadcast to the others before each step: BatchNorm statistics differ per rank after a step, as with DDP).
