@@ -1,7 +1,8 @@
 """The support matrix: every zoo model (tests/helpers/zoo.py) in every mode, compared with single-process training,
 written to ``docs/model-support.md`` from the run. Nothing in the page is typed by hand.
 
-    python tools/model_support.py                      # the whole matrix (about 2 hours on 2 CPU cores)
+    python tools/model_support.py --resume             # the whole matrix (about 3.5 hours on 2 CPU cores), continued
+                                                       # from docs/model-support.json (the cells measured so far)
     python tools/model_support.py --models llama gpt2 --modes data pipeline-1f1b --out /tmp/page.md
 
 Each cell runs ``tests/distributed/jobs/zoo.py`` (the job the zoo tests run): the launching process trains the
@@ -68,7 +69,15 @@ MODES: dict[str, Mode] = {  # in the order they run
     "data + activation checkpointing": Mode(2, 2, {"activation_checkpointing": True}),
     "data + bf16-mixed": Mode(2, 2, {}, {"precision": "bf16-mixed"}),
     "data + accumulate 2": Mode(2, 2, {}, {"accumulate_grad_batches": 2}),
+    "sharding full": Mode(2, 2, {"sharding": "full"}),
+    "sharding optimizer": Mode(2, 2, {"sharding": "optimizer"}),
+    "hybrid + full": Mode(4, 2, {"parallelism": "hybrid", "tensor_parallel_size": 2, "sharding": "full"}),
+    "pipeline + full (2 x 2)": Mode(4, 2, {"pipeline_stages": 2, "pipeline_chunks": 2, "sharding": "full"}),
 }
+#: The modes that are for dividing the model: their cells also show the most any rank holds of the parameter bytes
+#: (counted from every rank's tensors after fit).
+DIVIDING = {"tensor", "pipeline 1f1b", "pipeline interleaved", "pipeline gpipe", "sharding full", "sharding optimizer",
+            "hybrid + full", "pipeline + full (2 x 2)", "hybrid (dp 2 x tp 2)", "pipeline x data (2 x 2)"}  # fmt: skip
 
 
 def run_cell(model: str, mode: Mode, out: Path, timeout: float) -> dict[str, Any]:
@@ -111,7 +120,12 @@ def _compare(out: Path, mode: Mode) -> dict[str, Any]:
     num = sum(float((ref_grads[k].float() - grads[k].float()).norm() ** 2) for k in common) ** 0.5
     den = sum(float(ref_grads[k].float().norm() ** 2) for k in common) ** 0.5 or 1.0
     plan = json.loads((out / "info.json").read_text())["plan"]
+    info = json.loads((out / "info.json").read_text())
     result = {"rel": rel, "grad_rel": num / den, "grads_compared": len(common), "grads_expected": len(ref_grads)}
+    if info.get("held"):
+        result["held"] = max(h["parameters"] for h in info["held"]) / max(info["whole_parameter_bytes"], 1)
+    if plan.get("tensor"):
+        result["split_fraction"] = plan["tensor"]["split_fraction"]
     if rel > mode.tolerance or len(common) != len(ref_grads):
         result["status"] = "WRONG"
     result["graph_breaks"] = len(plan.get("graph_breaks", []) or [])
@@ -159,8 +173,11 @@ def render(results: dict[str, dict[str, dict[str, Any]]], versions: dict[str, st
         "(BatchNorm in hybrid: no reference). BatchNorm models are compared with Lightning's DDP on the same ranks where",
         "every rank is a data-parallel replica (batch statistics per rank), with one process elsewhere.",
         "",
-        "| model | " + " | ".join(modes) + " |",
-        "| --- | " + " | ".join("---" for _ in modes) + " |",
+        "`holds` = the most any rank holds of the parameter bytes after fit (counted from every rank's tensors), in the",
+        "modes that are for dividing the model; the last column: the share of the parameter bytes tensor parallel splits.",
+        "",
+        "| model | " + " | ".join(modes) + " | tensor split |",
+        "| --- | " + " | ".join("---" for _ in modes) + " | --- |",
     ]
     notes: list[str] = []
     for model, row in sorted(results.items(), key=lambda item: list(ZOO).index(item[0])):
@@ -170,7 +187,8 @@ def render(results: dict[str, dict[str, dict[str, Any]]], versions: dict[str, st
             if cell is None:
                 cells.append("")
             elif cell["status"] == "works":
-                cells.append(f"ok {cell['rel']:.0e}")
+                held = f", holds {cell['held']:.0%}" if mode in DIVIDING and "held" in cell else ""
+                cells.append(f"ok {cell['rel']:.0e}{held}")
             elif cell["status"] == "not compared":
                 cells.append("n/c")
             else:
@@ -181,6 +199,8 @@ def render(results: dict[str, dict[str, dict[str, Any]]], versions: dict[str, st
                              f"- **{model} / {mode}** (WRONG): rel {cell['rel']:.2e}, gradients compared"
                              f" {cell['grads_compared']}/{cell['grads_expected']}")  # fmt: skip
                 cells.append(f"{cell['status']} [{len(notes)}]")
+        split = row.get("tensor", {}).get("split_fraction")
+        cells.append(f"{split:.0%}" if split is not None else "")
         lines.append(f"| {model}: {ZOO[model].family} | " + " | ".join(cells) + " |")
     missing = [m for m in MODES if m not in modes]
     blank = sum(1 for row in results.values() for m in modes if m not in row) + sum(
@@ -206,21 +226,26 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "model-support.md")
     parser.add_argument("--work", type=Path, default=Path("/tmp/sgdtp-model-support"))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
-    parser.add_argument("--resume", action="store_true", help="keep the cells WORK/results.json has already")
     parser.add_argument(
-        "--render", action="store_true", help="run nothing: write the page from WORK/results.json (a run cut short)"
+        "--results", type=Path, default=REPO / "docs" / "model-support.json",
+        help="the cells measured so far (kept in the repo: a full run takes longer than one sitting)",
+    )  # fmt: skip
+    parser.add_argument("--resume", action="store_true", help="keep the cells RESULTS has already")
+    parser.add_argument(
+        "--render", action="store_true", help="run nothing: write the page from RESULTS (a run cut short)"
     )
     args = parser.parse_args()
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     results: dict[str, dict[str, dict[str, Any]]] = {}
-    saved = args.work / "results.json"
+    saved = args.results
+    args.work.mkdir(parents=True, exist_ok=True)
     if args.resume and saved.exists():
         results = json.loads(saved.read_text())
-        if (args.work / "run.json").exists():  # the page says when the first of the resumed runs began
-            started = json.loads((args.work / "run.json").read_text())["started"]
+        if (saved.with_suffix(".run.json")).exists():  # the page says when the first of the resumed runs began
+            started = json.loads(saved.with_suffix(".run.json").read_text())["started"]
     if args.render:  # the cells a run cut short left, with their own timing: only what was measured
         results = json.loads(saved.read_text())
-        meta = json.loads((args.work / "run.json").read_text())
+        meta = json.loads(saved.with_suffix(".run.json").read_text())
         args.out.write_text(render(results, meta["versions"], meta["started"], meta["seconds"]))
         print(f"wrote {args.out}")
         return
@@ -237,7 +262,7 @@ def main() -> None:
             saved.write_text(json.dumps(results, indent=1))
             seconds = sum(c["seconds"] for row in results.values() for c in row.values())
             meta = {"versions": _versions(), "started": started, "seconds": seconds}
-            (args.work / "run.json").write_text(json.dumps(meta))
+            saved.with_suffix(".run.json").write_text(json.dumps(meta))
     seconds = sum(c["seconds"] for row in results.values() for c in row.values())
     args.out.write_text(render(results, _versions(), started, seconds))
     print(f"wrote {args.out}")

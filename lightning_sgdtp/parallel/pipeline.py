@@ -547,12 +547,12 @@ class PipelineRunner:
         payload: list[Any] = [None]
         if self.has_last:
             mean = math.fsum(self._losses.values()) / len(self._losses) if self._losses else None
-            payload = [(mean, self._recorder.summary())]
+            payload = [(mean, self._recorder.summary(), self.weighted)]
         self._recorder = None
         self._micro_batches = []
         if self.pp_size > 1:
             dist.broadcast_object_list(payload, src=self.last_rank, group=self.group)
-        loss, logs = payload[0]
+        loss, logs, self.weighted = payload[0]  # every rank knows whether the losses were weighted
         return StepResult(loss, logs)
 
     def sum_tied_gradients(self) -> None:
