@@ -21,11 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-
-def _local(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+from lightning_sgdtp.parallel.sharding import held_bytes
+from lightning_sgdtp.parallel.tensor import local_shard
 
 
 def _empty_like(p: Tensor, device: torch.device, storage: bool) -> nn.Parameter:
@@ -38,7 +35,7 @@ def _empty_like(p: Tensor, device: torch.device, storage: bool) -> nn.Parameter:
         empty = torch.empty(p.shape, dtype=p.dtype, device=device)
         empty.untyped_storage().resize_(0)
         return nn.Parameter(empty, requires_grad=p.requires_grad)
-    local = _local(p)
+    local = local_shard(p)
     empty = torch.empty(local.shape, dtype=local.dtype, device=device)
     if isinstance(p, DTensor):
         empty = DTensor.from_local(
@@ -74,7 +71,7 @@ class ReleasedStages:
                 if p is None or id(p) in kept or p.is_meta:
                     continue
                 if id(p) not in stand_ins:
-                    local = _local(p)
+                    local = local_shard(p)
                     stand_ins[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
                     out.released_bytes += local.numel() * local.element_size()
                     out.count += 1
@@ -83,7 +80,7 @@ class ReleasedStages:
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [q for q in group["params"] if id(q) not in stand_ins]
-        out.held_bytes = sum(_local(p).numel() * _local(p).element_size() for p in module.parameters() if not p.is_meta)
+        out.held_bytes = held_bytes(module)["parameters"]
         return out
 
     @contextlib.contextmanager

@@ -47,6 +47,18 @@ def _distribute(module: nn.Module, mesh: Any, placements: dict[str, Any], src_da
         module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
 
 
+def _distribute_linear(style: ColwiseParallel | RowwiseParallel, module: nn.Module, mesh: Any) -> nn.Module:
+    """What torch's styles do for an ``nn.Linear`` (their ``_apply``), for a ``Conv1D``: the style's partition and
+    its own input and output handling."""
+    return distribute_module(
+        module,
+        mesh,
+        style._partition_linear_fn,
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
+
+
 class Conv1DColwise(ColwiseParallel):
     """``ColwiseParallel`` for a ``Conv1D``: the weight ``(in, out)`` split on dim 1, the bias on dim 0."""
 
@@ -54,13 +66,7 @@ class Conv1DColwise(ColwiseParallel):
         _distribute(module, device_mesh, {"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition_linear_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _distribute_linear(self, module, device_mesh)
 
 
 class Conv1DRowwise(RowwiseParallel):
@@ -71,13 +77,7 @@ class Conv1DRowwise(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition_linear_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _distribute_linear(self, module, device_mesh)
 
 
 def expert_count(module: nn.Module) -> int | None:

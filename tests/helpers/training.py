@@ -109,15 +109,11 @@ def gather_full(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def held_bytes(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
     """The bytes this rank holds, counted from the tensors (what a user measures): its parameters (a DTensor's local
-    shard; a pipeline's released one (meta) nothing; a tied parameter once) and its optimizers' state tensors."""
-    from torch.distributed.tensor import DTensor
+    shard; a pipeline's released one, meta, nothing; a tied parameter once) and its optimizers' state tensors."""
+    from lightning_sgdtp.parallel.sharding import held_bytes as counted
 
-    def local(t: torch.Tensor) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return 0 if t.is_meta or t.untyped_storage().nbytes() == 0 else t.numel() * t.element_size()
-
-    state = sum(local(v) for o in optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v))
-    return {"parameters": sum(local(p_) for p_ in module.parameters()), "optimizer": state}
+    held = counted(module, optimizers)
+    return {"parameters": held["parameters"], "optimizer": held["optimizer_state"]}
 
 
 def metrics(trainer: L.Trainer) -> dict[str, float]:
