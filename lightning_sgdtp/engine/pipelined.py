@@ -150,6 +150,11 @@ class PipelinedStep(StepEngine):
                 f"pipeline: {len(self.runner.boundaries)} stage boundary tensor(s) are views (e.g."
                 f" {self.runner.boundaries[0]}): sent and received contiguous (send/recv need dense tensors)"
             )
+        if self.runner.retraced[seen:] and self.runner.carried:
+            self.report.say(
+                f"pipeline: {len(self.runner.carried)} value(s) a later stage reads are carried through the stages"
+                f" between (e.g. {self.runner.carried[0]}): the interleaved schedule sends between adjacent stages only"
+            )
         if self.runner.weighted and not self._said_weighted:
             self._said_weighted = True
             self.report.say(
@@ -231,6 +236,7 @@ class PipelinedStep(StepEngine):
                 "stages_of_rank_0": runner.stage_ids if runner is not None and dist.get_rank() == 0 else None,
                 "traced": list(runner.retraced) if runner is not None else [],
                 "contiguous_boundaries": list(runner.boundaries) if runner is not None else [],
+                "carried": list(runner.carried) if runner is not None else [],
                 # this rank's parameter bytes, counted from the tensors: its stages held, the others' released
                 "held_bytes": runner.released.to_dict() if runner is not None and runner.released else None,
             },

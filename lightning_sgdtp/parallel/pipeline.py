@@ -42,6 +42,7 @@ from lightning_sgdtp.parallel.pipeline_split import PipelineSplit
 from lightning_sgdtp.parallel.schedules import SCHEDULES, check_chunks, micro_batch_count, micro_batch_weights
 from lightning_sgdtp.parallel.sharding import stored_parameter
 from lightning_sgdtp.parallel.stage_boundaries import make_boundaries_contiguous, send_contiguous
+from lightning_sgdtp.parallel.stage_carry import carry_stage_inputs
 from lightning_sgdtp.parallel.stage_memory import ReleasedStages
 from lightning_sgdtp.parallel.tensor import local_shard
 
@@ -330,6 +331,7 @@ class PipelineRunner:
         self.holders: dict[int, int] = {}
         self.retraced: list[str] = []
         self.boundaries: list[str] = []  # stage inputs / outputs made contiguous (stage_boundaries)
+        self.carried: list[str] = []  # values passed through stages to a later one (stage_carry)
         #: The other stages' parameters, released after the first training trace (stage_memory).
         self.released: ReleasedStages | None = None
 
@@ -361,6 +363,8 @@ class PipelineRunner:
                     " depend on shapes only, or train without pipeline_stages."
                 ) from exc
         self.boundaries = make_boundaries_contiguous(pipe.split_gm)
+        if len(self.stage_ids) > 1:  # torch's multi-stage schedules send between adjacent stages only
+            self.carried = carry_stage_inputs(pipe.split_gm)
         if pipe.num_stages != self.num_stages:
             raise PipelineContractError(
                 f"the traced forward cut into {pipe.num_stages} stages, not {self.num_stages}: the blocks"

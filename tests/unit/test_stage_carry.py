@@ -1,0 +1,118 @@
+"""Values a later stage reads are carried stage to stage (lightning_sgdtp/parallel/stage_carry.py): torch's
+interleaved schedule sends between adjacent stages only, and transformers models give what they compute before
+the block stack (rotary tables, masks, positions) to every block."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.pipelining import SplitPoint, pipeline
+
+from lightning_sgdtp.parallel.stage_carry import carry_stage_inputs
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) * scale + bias)
+
+
+class Net(nn.Module):
+    """What a transformers model does: two values made once before the blocks (one from a parameter, so its
+    gradient comes back through the stages between), read by every block."""
+
+    def __init__(self, blocks: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(8))
+        self.blocks = nn.ModuleList([Block() for _ in range(blocks)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        scale, bias = self.scale.sigmoid(), torch.arange(8.0) / 8  # a table with no gradient, like rotary cos/sin
+        for block in self.blocks:
+            h = block(h, scale, bias)
+        return h
+
+
+def _sources(split_gm: torch.fx.GraphModule) -> list[set[int]]:
+    """For each stage, the stages it reads from (model inputs left out)."""
+    calls = [n for n in split_gm.graph.nodes if n.op == "call_module"]
+    result = []
+    for call in calls:
+        read = set()
+        for arg in call.args:
+            while isinstance(arg, torch.fx.Node) and arg.target is operator.getitem:
+                arg = arg.args[0]
+            if isinstance(arg, torch.fx.Node) and arg.op == "call_module":
+                read.add(calls.index(arg))
+        result.append(read)
+    return result
+
+
+def _pipe(net: nn.Module, x: torch.Tensor, starts: list[str]):
+    return pipeline(net, mb_args=(x,), split_spec={b: SplitPoint.BEGINNING for b in starts})
+
+
+def test_every_stage_reads_only_the_stage_before_and_results_and_gradients_stay_equal() -> None:
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(3, 8)
+    pipe = _pipe(net, x, ["blocks.1", "blocks.2", "blocks.3"])
+    assert _sources(pipe.split_gm)[3] == {0, 2}  # what torch's interleaved schedule refuses
+    carried = carry_stage_inputs(pipe.split_gm)
+    assert _sources(pipe.split_gm) == [set(), {0}, {1}, {2}]
+    assert any("stage 3 (through 1, 2)" in c for c in carried), carried
+    for name, stage in pipe.split_gm.named_children():  # torch's stages read each placeholder's example value
+        if name.startswith("submod_"):
+            assert all("val" in n.meta for n in stage.graph.nodes if n.op == "placeholder"), name
+    expected = net(x)
+    # the graph run whole in one process (torch's Pipe runs it without autograd; the stages share net's parameters)
+    got = torch.fx.Interpreter(pipe.split_gm).run(x)
+    got = got[0] if isinstance(got, tuple) else got
+    torch.testing.assert_close(got, expected)
+    expected.sum().backward()
+    want = {n: p.grad.clone() for n, p in net.named_parameters()}
+    net.zero_grad(set_to_none=True)
+    got.sum().backward()  # the carried scale's gradient comes back through the stages between
+    for name, param in net.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], msg=name)
+
+
+def test_adjacent_stages_are_left_as_they_are() -> None:
+    net, x = Net(blocks=2), torch.randn(3, 8)
+    pipe = _pipe(net, x, ["blocks.1"])
+    before = str(pipe.split_gm.graph)
+    assert carry_stage_inputs(pipe.split_gm) == []
+    assert str(pipe.split_gm.graph) == before
+
+
+def test_an_unchanged_transformers_llama_carries_its_rotary_tables_and_computes_the_same() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        max_position_embeddings=32, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids).logits
+
+    net, ids = Logits(), torch.randint(0, 64, (2, 8))
+    pipe = _pipe(net, ids, ["model.model.layers.1", "model.model.layers.2", "model.model.layers.3"])
+    carried = carry_stage_inputs(pipe.split_gm)
+    assert _sources(pipe.split_gm) == [set(), {0}, {1}, {2}], carried
+    with torch.no_grad():
+        got = pipe(ids)
+        torch.testing.assert_close(got[0] if isinstance(got, tuple) else got, net(ids))
