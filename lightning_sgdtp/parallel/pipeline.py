@@ -44,6 +44,7 @@ from lightning_sgdtp.parallel.sharding import stored_parameter
 from lightning_sgdtp.parallel.stage_boundaries import make_boundaries_contiguous, send_contiguous
 from lightning_sgdtp.parallel.stage_carry import carry_stage_inputs
 from lightning_sgdtp.parallel.stage_memory import ReleasedStages
+from lightning_sgdtp.parallel.stage_names import rename_self_nodes
 from lightning_sgdtp.parallel.tensor import local_shard
 
 
@@ -363,6 +364,7 @@ class PipelineRunner:
                     " depend on shapes only, or train without pipeline_stages."
                 ) from exc
         self.boundaries = make_boundaries_contiguous(pipe.split_gm)
+        rename_self_nodes(pipe.split_gm)  # BERT's attention.self: FX's generated code would shadow `self`
         if len(self.stage_ids) > 1:  # torch's multi-stage schedules send between adjacent stages only
             self.carried = carry_stage_inputs(pipe.split_gm)
         if pipe.num_stages != self.num_stages:
@@ -373,8 +375,13 @@ class PipelineRunner:
         if not self.names_per_stage:
             modules = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
             self._find_shared([{n for n, _ in m.named_parameters()} for m in modules])
+            # with every other name of the same tensor in the module (BERT's decoder.bias is predictions.bias)
+            aliases: dict[int, set[str]] = {}
+            for name, tensor in self.module.state_dict(keep_vars=True).items():
+                aliases.setdefault(id(tensor), set()).add(name)
             self.names_per_stage = [
-                {n for n, _ in m.named_parameters()} | {n for n, _ in m.named_buffers()} for m in modules
+                set().union(*(aliases.get(id(t), {n}) for n, t in [*m.named_parameters(), *m.named_buffers()]))
+                for m in modules
             ]
         stages = []
         for index in self.stage_ids:
@@ -433,7 +440,8 @@ class PipelineRunner:
         sent: set[str] = set()
         for stage, names in enumerate(self.names_per_stage):
             # Sharded over dp: this rank's shards, to the pipeline group's ranks (the same data-parallel index).
-            tensors = [local_shard(state[n].data) for n in sorted(names - sent) if n in state]
+            unique = {id(state[n]): state[n] for n in sorted(names - sent) if n in state}  # an alias once
+            tensors = [local_shard(t.data) for t in unique.values()]
             sent |= names
             if tensors:
                 src = stage % self.pp_size

@@ -67,6 +67,8 @@ CELLS: dict[str, dict[str, Any]] = {
         "lr": 0.1,
         "steps": 8,
     },
+    # BERT: a submodule named `self` (stage_names.py) and a bias with two names on one stage (decoder.bias)
+    "bert_pipeline": {"model": "bert", "devices": 2, "dp": 1, "sgdtp": PP, "batch": 8},
     "gpt2_hybrid": {
         "model": "gpt2",
         "devices": 4,
@@ -88,7 +90,14 @@ CELLS: dict[str, dict[str, Any]] = {
 #: The slow tier (tests/README.md): GPT-2 hybrid replicated and the sharded pipeline cell. The default run keeps one
 #: transformers model per mode: ViT pipeline, Llama tensor, GPT-2 hybrid (sharded: also the suite's sharding with
 #: tensor parallel against a reference, on a model we did not write), ResNet data, Llama data sharded.
-SLOW = {"gpt2_hybrid", "vit_pipeline_sharded", "llama_data_sharded", "vit_pipeline", "gemma2_pipeline_padded"}
+SLOW = {
+    "gpt2_hybrid",
+    "vit_pipeline_sharded",
+    "llama_data_sharded",
+    "vit_pipeline",
+    "gemma2_pipeline_padded",
+    "bert_pipeline",
+}
 _RESULTS: dict[str, dict] = {}
 
 
