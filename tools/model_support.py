@@ -143,6 +143,16 @@ def _error_line(output: str) -> str:
     return (errors[-1] if errors else (lines[-1] if lines else "no output")).strip()[:400]
 
 
+def _commit() -> str:
+    """The code a cell ran: the checkout's commit, with ``+changes`` when files differ from it."""
+    import subprocess
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
+
+
 def _versions() -> dict[str, str]:
     import lightning
     import torch
@@ -212,6 +222,9 @@ def render(results: dict[str, dict[str, dict[str, Any]]], versions: dict[str, st
             f"Not run in this run (it was cut short; `python tools/model_support.py --resume` continues it): {blank}"
             " blank cell(s) above" + (f", and the modes {', '.join(missing)}" if missing else "") + ".",
         ]
+    commits = sorted({c["commit"] for row in results.values() for c in row.values() if "commit" in c})
+    if commits:
+        lines += ["", "Commits the cells ran on: " + ", ".join(f"`{c}`" for c in commits) + "."]
     lines += ["", "## What did not work, and why", ""] + (notes or ["Every cell worked."])
     lines += ["", "Seconds per cell (both trainings, compile included):", ""]
     for model, row in results.items():
@@ -254,7 +267,7 @@ def main() -> None:
             if mode in results.get(model, {}):
                 continue
             slug = re.sub(r"[^a-z0-9]+", "-", f"{model}-{mode}".lower())
-            cell = run_cell(model, MODES[mode], args.work / slug, args.timeout)
+            cell = {**run_cell(model, MODES[mode], args.work / slug, args.timeout), "commit": _commit()}
             results.setdefault(model, {})[mode] = cell
             print(
                 f"{model:8s} {mode:32s} {cell['status']:8s} {cell.get('rel', cell.get('error', ''))!s:.160}", flush=True
