@@ -148,7 +148,7 @@ def _commit() -> str:
     import subprocess
 
     def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
     return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
 
