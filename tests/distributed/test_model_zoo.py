@@ -95,7 +95,7 @@ SLOW = {
     "vit_pipeline_sharded",
     "llama_data_sharded",
     "vit_pipeline",
-    "gemma2_pipeline_padded",
+    "gemma2_interleaved_padded",
     "bert_pipeline",
 }
 _RESULTS: dict[str, dict] = {}
