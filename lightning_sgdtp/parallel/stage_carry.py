@@ -81,7 +81,6 @@ class _Stage:
         with self.top.inserting_after(last_reader):
             carried = self.top.call_function(operator.getitem, (self.call, len(outputs)))
         carried.meta["val"] = example
-        self.module.recompile()
         return carried
 
 
@@ -93,6 +92,7 @@ def carry_stage_inputs(split_gm: fx.GraphModule) -> list[str]:
     stages = [_Stage(split_gm, call) for call in calls]
     carried: dict[tuple[fx.Node, int], fx.Node] = {}  # (value, stage) -> that stage's pass-through output of it
     notes: list[str] = []
+    edited: set[int] = set()  # stages whose code is generated again once, at the end
     for j, stage in enumerate(stages):
         examples = [p.meta.get("val") for p in stage.placeholders()]
         for position, value in enumerate(list(stage.call.args)):
@@ -103,11 +103,14 @@ def carry_stage_inputs(split_gm: fx.GraphModule) -> list[str]:
             for k in range(source + 1, j):
                 if (value, k) not in carried:
                     carried[(value, k)] = stages[k].pass_through(current, examples[position], value.name)
+                    edited.add(k)
                 current = carried[(value, k)]
             stage.call.update_arg(position, current)
             notes.append(
                 f"{calls[source].name} output {value.name} -> stage {j} (through {', '.join(map(str, range(source + 1, j)))})"
             )
+    for k in edited:
+        stages[k].module.recompile()
     split_gm.graph.lint()
     split_gm.recompile()
     return notes
