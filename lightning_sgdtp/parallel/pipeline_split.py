@@ -12,6 +12,13 @@ stage). A LightningModule that holds the model as one child is therefore looked 
 ``model.ln_f`` and the LightningModule's own later children, metrics included, after). Parameters registered
 directly on a module of that path (a ViT's ``cls_token``) have no order against its children: they go to stage 0.
 
+**Several stacks of the same block type** (an encoder-decoder such as T5: ``encoder.block`` and ``decoder.block``,
+both ``T5Block``) are one sequence of blocks, in registration order, so a cut may fall in either stack. What is
+registered between two stacks (the encoder's final norm, the decoder's embedding) is ``between``: it runs after the
+block registered before it, on that block's stage, and its parameters count there. Before this, a T5's largest
+stack (the decoder's) was the only one, and the whole encoder ran "before the stack" on stage 0 (72% of the
+parameters on one of 2 ranks).
+
 **Balance.** By parameter count (default): the stack is cut into contiguous groups so that the largest stage cost
 is minimal (exact dynamic program), where stage 0 also counts what runs before the stack and the last stage what
 runs after it; among equally good cuts, earlier cut points win. A parameter used in two places (a tied embedding
@@ -38,7 +45,8 @@ from lightning_sgdtp.parallel.checkpointing import find_block_stack
 BALANCES = ("params", "cost", "split_points")
 RULE = (
     "before/after by registration order: what is registered ahead of the stack (at each level down to it) runs on"
-    " stage 0, what is registered after it on the last stage"
+    " stage 0, what is registered after it on the last stage, what lies between two stacks on the stage of the block"
+    " before it"
 )
 
 
@@ -51,7 +59,8 @@ class PipelineSplit:
     """Which blocks run on which pipeline stage, and what runs before/after the block stack."""
 
     stages: int
-    #: Qualified name of the block stack ("" when the model itself is the stack).
+    #: Qualified name of the block stack ("" when the model itself is the stack); several stacks of one block type
+    #: (an encoder's and a decoder's) are joined with " + ", in registration order.
     stack: str
     #: Qualified block names per stage: contiguous, in order, every block exactly once, no stage empty.
     blocks_per_stage: list[list[str]]
@@ -59,6 +68,8 @@ class PipelineSplit:
     before: list[str] = field(default_factory=list)
     #: Modules that run after the stack: the last stage.
     after: list[str] = field(default_factory=list)
+    #: Modules registered between two block stacks, with the stage of the block registered before each.
+    between: dict[str, int] = field(default_factory=dict)
     #: Per stage, the cost that was balanced (parameters, or the given block costs), before/after included.
     cost: list[float] = field(default_factory=list)
     #: "params" | "cost" | "split_points".
@@ -84,6 +95,9 @@ class PipelineSplit:
         for name in self.after:
             if _inside(module_name, name):
                 return self.stages - 1
+        for name, stage in self.between.items():
+            if _inside(module_name, name):
+                return stage
         if any(_inside(name, module_name) for name in self._units()):
             raise PipelineSplitError(
                 f"{module_name!r} contains modules of several pipeline stages; ask for one of its children (a block"
@@ -102,6 +116,7 @@ class PipelineSplit:
             "blocks_per_stage": [list(b) for b in self.blocks_per_stage],
             "before": list(self.before),
             "after": list(self.after),
+            "between": dict(self.between),
             "cost": [float(c) for c in self.cost],
             "imbalance": round(self.imbalance, 4),
             "tied": [[a, b] for a, b in self.tied],
@@ -120,6 +135,9 @@ class PipelineSplit:
             if stage == 0 and self.before:
                 parts.append(", ".join(self.before))
             parts.append(_range_text(blocks))
+            inner = [name for name, s in self.between.items() if s == stage]
+            if inner:
+                parts.append(f"between the stacks: {', '.join(inner)}")
             if stage == self.stages - 1 and self.after:
                 parts.append(", ".join(self.after))
             lines.append(f"  stage {stage}: {' + '.join(parts)} ({self._cost_text(self.cost[stage])})")
@@ -135,7 +153,7 @@ class PipelineSplit:
         return [b for blocks in self.blocks_per_stage for b in blocks]
 
     def _units(self) -> list[str]:
-        return self.before + self._blocks() + self.after
+        return self.before + self._blocks() + list(self.between) + self.after
 
     def _cost_text(self, cost: float) -> str:
         if self.balance == "cost":
@@ -163,7 +181,14 @@ def _count_text(n: float) -> str:
 
 
 def _range_text(blocks: list[str]) -> str:
-    return blocks[0] if len(blocks) == 1 else f"{blocks[0]}..{_leaf(blocks[-1])}"
+    """``encoder.block.0..3, decoder.block.0``: one range per stack the blocks come from."""
+    runs: list[list[str]] = []
+    for block in blocks:
+        if runs and runs[-1][0].rpartition(".")[0] == block.rpartition(".")[0]:
+            runs[-1].append(block)
+        else:
+            runs.append([block])
+    return ", ".join(run[0] if len(run) == 1 else f"{run[0]}..{_leaf(run[-1])}" for run in runs)
 
 
 def _blocks_text(blocks: list[str], limit: int = 12) -> str:
@@ -174,6 +199,38 @@ def _blocks_text(blocks: list[str], limit: int = 12) -> str:
 def _children(module: nn.Module) -> list[tuple[str, nn.Module]]:
     # Every registration, in order: a module registered under two names is placed under both.
     return [(n, m) for n, m in module._modules.items() if m is not None]
+
+
+def _block_stacks(module: nn.Module, main: str) -> list[str]:
+    """``main`` (the largest stack) and every other ``nn.ModuleList`` / ``nn.Sequential`` of >= 2 modules of the
+    same block type, not inside one another, in registration order (an encoder's blocks before a decoder's)."""
+    kind = {type(b) for b in module.get_submodule(main).children()} if main else {type(b) for b in module.children()}
+    stacks: list[str] = []
+    for name, child in module.named_modules():
+        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or any(_inside(name, s) for s in stacks):
+            continue
+        blocks = list(child.children())
+        same = len(blocks) >= 2 and {type(b) for b in blocks} == kind
+        if name == main or (same and not _inside(main, name)):
+            stacks.append(name)
+    return stacks
+
+
+def _walk_units(level: nn.Module, prefix: str, blocks: set[str]) -> list[tuple[str, Any, bool]]:
+    """Registration order, looked into only where a block lies below: (name, module or parameter, is a block).
+    A module's own parameters come before its children (they have no order against them)."""
+    units: list[tuple[str, Any, bool]] = [
+        (_join(prefix, n), p, False) for n, p in level._parameters.items() if p is not None
+    ]
+    for n, child in _children(level):
+        name = _join(prefix, n)
+        if name in blocks:
+            units.append((name, child, True))
+        elif any(_inside(b, name) for b in blocks):
+            units += _walk_units(child, name, blocks)
+        else:
+            units.append((name, child, False))
+    return units
 
 
 def _no_stack_message(module: nn.Module) -> str:
@@ -299,9 +356,11 @@ def plan_pipeline_split(
     """Cut ``module`` into ``stages`` pipeline stages along its repeated block stack. Pure: changes nothing.
 
     The stack is :func:`~lightning_sgdtp.parallel.checkpointing.find_block_stack`'s (the largest
-    ``nn.ModuleList`` / ``nn.Sequential`` of >= 2 same-type modules). What runs before and after it is decided
+    ``nn.ModuleList`` / ``nn.Sequential`` of >= 2 same-type modules), joined by every other stack of the same block
+    type (an encoder's and a decoder's), in registration order. What runs before and after the blocks is decided
     by registration order (see the module docstring): earlier-registered modules on stage 0, later ones on the
-    last stage, at every level from the root down to the stack.
+    last stage, at every level from the root down to the stack; what lies between two stacks on the stage of the
+    block before it.
 
     - default: balance by parameter count (stage 0 includes what runs before the stack, the last stage what runs
       after it; a tied parameter counts once, where it is registered first); the largest stage is minimal, and
@@ -320,14 +379,17 @@ def plan_pipeline_split(
         )
     found = find_block_stack(module)
     if found is not None:
-        stack_name, stack = found
+        stack_name = found[0]
     elif split_points is not None:
         stack_name = _stackless_parent(module, split_points)
-        stack = module.get_submodule(stack_name)
     else:
         raise PipelineSplitError(_no_stack_message(module))
-    blocks = [(_join(stack_name, n), m) for n, m in _children(stack)]
+    stacks = _block_stacks(module, stack_name) if found is not None else [stack_name]
+    blocks = [
+        (_join(name, n), m) for name in stacks for n, m in _children(module.get_submodule(name) if name else module)
+    ]
     block_names = [n for n, _ in blocks]
+    stack_name = " + ".join(stacks)
     where = stack_name or type(module).__name__
     if stages > len(blocks):
         raise PipelineSplitError(
@@ -336,28 +398,30 @@ def plan_pipeline_split(
         )
     costs_given = _check_block_costs(block_costs, block_names, where) if block_costs is not None else None
 
-    # What runs before / after the stack: registration order at every level from the root down to the stack.
-    before: list[tuple[str, Any]] = []
-    after_levels: list[list[tuple[str, Any]]] = []
-    path = stack_name.split(".") if stack_name else []
-    level_name, level = "", module
-    for step in [*path, None]:
-        before += [(_join(level_name, n), p) for n, p in level._parameters.items() if p is not None]
-        if step is None:
-            break
-        children = _children(level)
-        at = next(i for i, (n, _) in enumerate(children) if n == step)
-        before += [(_join(level_name, n), m) for n, m in children[:at]]
-        after_levels.append([(_join(level_name, n), m) for n, m in children[at + 1 :]])
-        level_name, level = _join(level_name, step), children[at][1]
-    after = [unit for level_after in reversed(after_levels) for unit in level_after]
+    # What runs before / between / after the stacks: registration order at every level down to the blocks.
+    walk = _walk_units(module, "", set(block_names))
+    first_block = next(i for i, (_, _, is_block) in enumerate(walk) if is_block)
+    last_block = max(i for i, (_, _, is_block) in enumerate(walk) if is_block)
+    before = [(n, o) for n, o, _ in walk[:first_block]]
+    after = [(n, o) for n, o, _ in walk[last_block + 1 :]]
+    # each unit between two stacks belongs to the block registered before it
+    between = [(n, o) for n, o, is_block in walk[first_block:last_block] if not is_block]
+    between_block = {}
+    block_seen = -1
+    for n, _, is_block in walk[first_block : last_block + 1]:
+        if is_block:
+            block_seen += 1
+        else:
+            between_block[n] = block_seen
 
     # Parameter cost per unit, in execution order; a parameter used twice counts where it is registered first.
-    units = before + blocks + after
+    units = before + blocks + between + after
     owner: dict[int, tuple[int, str]] = {}
     uses: list[tuple[int, str, int]] = []  # (parameter id, qualified name, unit index)
     unit_params = [0] * len(units)
-    for u, (name, obj) in enumerate(units):
+    order = {n: i for i, (n, _, _) in enumerate(walk)}
+    for u in sorted(range(len(units)), key=lambda u: order[units[u][0]]):
+        name, obj = units[u]
         if isinstance(obj, nn.Module):
             named = list(obj.named_parameters(prefix=name, remove_duplicate=False))
         else:
@@ -367,10 +431,12 @@ def plan_pipeline_split(
                 owner[id(p)] = (u, pname)
                 unit_params[u] += p.numel()
             uses.append((id(p), pname, u))
-    nb, n_before = len(blocks), len(before)
+    nb, n_before, n_between = len(blocks), len(before), len(between)
     params_before = float(sum(unit_params[:n_before]))
     params_blocks = [float(c) for c in unit_params[n_before : n_before + nb]]
-    params_after = float(sum(unit_params[n_before + nb :]))
+    for i, (name, _) in enumerate(between):  # what runs between two stacks weighs on the block before it
+        params_blocks[between_block[name]] += unit_params[n_before + nb + i]
+    params_after = float(sum(unit_params[n_before + nb + n_between :]))
 
     if split_points is not None:
         starts = _split_point_stages(split_points, block_names, stages, where)
@@ -392,13 +458,17 @@ def plan_pipeline_split(
         for s in range(stages)
     ]
 
+    def block_stage(b: int) -> int:
+        return next(s for s in range(stages) if bounds[s] <= b < bounds[s + 1])
+
     def unit_stage(u: int) -> int:
         if u < n_before:
             return 0
-        if u >= n_before + nb:
-            return stages - 1
-        b = u - n_before
-        return next(s for s in range(stages) if bounds[s] <= b < bounds[s + 1])
+        if u < n_before + nb:
+            return block_stage(u - n_before)
+        if u < n_before + nb + n_between:
+            return block_stage(between_block[units[u][0]])
+        return stages - 1
 
     tied = []
     for pid, pname, u in uses:
@@ -412,6 +482,7 @@ def plan_pipeline_split(
         blocks_per_stage=[block_names[bounds[s] : bounds[s + 1]] for s in range(stages)],
         before=[n for n, _ in before],
         after=[n for n, _ in after],
+        between={n: block_stage(between_block[n]) for n, _ in between},
         cost=cost,
         balance=balance,
         tied=tied,

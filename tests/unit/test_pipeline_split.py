@@ -433,3 +433,89 @@ def test_large_stack_plans_quickly_and_optimally() -> None:
     assert feasible(best)
     smaller = sorted({sum(costs[i:j]) for i in range(300) for j in range(i + 1, min(300, i + 12) + 1)})
     assert not any(feasible(v) for v in smaller if v < best)
+
+
+def stage_fractions(module: nn.Module, split: PipelineSplit) -> list[float]:
+    """Each stage's share of the parameters it holds (a tied parameter on every stage that uses it)."""
+    held: list[set[int]] = [set() for _ in range(split.stages)]
+    sizes = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        held[split.stage_of(name)].add(id(p))
+        sizes[id(p)] = p.numel()
+    return [sum(sizes[i] for i in stage) / sum(sizes.values()) for stage in held]
+
+
+class EncoderDecoder(nn.Module):
+    """An encoder-decoder with the T5 shape: two stacks of one block type, modules between them, a tied head."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(16, 8)
+        self.encoder = nn.Module()
+        self.encoder.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(layers))
+        self.encoder.norm = nn.LayerNorm(8)
+        self.decoder = nn.Module()
+        self.decoder.embed = self.shared
+        self.decoder.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(layers))
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.shared.weight
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_encoder_and_decoder_stacks_are_one_sequence_of_blocks(stages: int) -> None:
+    model = EncoderDecoder(layers=3)
+    split = plan_pipeline_split(model, stages)
+    names = [f"encoder.blocks.{i}" for i in range(3)] + [f"decoder.blocks.{i}" for i in range(3)]
+    check_shape(split, names, stages)
+    assert split.stack == "encoder.blocks + decoder.blocks"
+    assert (split.before, split.after) == (["shared"], ["head"])
+    # the encoder's norm and the decoder's embedding run after the last encoder block: that block's stage
+    last_encoder_stage = split.stage_of("encoder.blocks.2")
+    assert split.between == {"encoder.norm": last_encoder_stage, "decoder.embed": last_encoder_stage}
+    assert split.stage_of("encoder.norm.weight") == last_encoder_stage
+    assert sum(split.cost) == sum(p.numel() for p in model.parameters())
+    # optimal over the blocks, what lies between the stacks weighing on the block before it
+    seen: set[int] = set()
+    first = numel(model.shared, seen=seen)
+    costs = [float(numel(model.encoder.blocks[i], seen=seen)) for i in range(3)]
+    costs[-1] += numel(model.encoder.norm, seen=seen)
+    costs += [float(numel(model.decoder.blocks[i], seen=seen)) for i in range(3)]
+    opt, cuts = brute_force(costs, first, numel(model.head, seen=seen), stages)
+    assert max(split.cost) == opt and starts_of(split) == cuts
+    uses = ("decoder.embed.weight", "head.weight")
+    assert split.tied == [("shared.weight", n) for n in uses if split.stage_of(n) != 0]
+
+
+def test_a_stack_inside_a_block_is_not_a_stack_of_its_own() -> None:
+    class Expert(nn.Linear):
+        pass
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList(Expert(4, 4) for _ in range(2))
+
+    model = nn.Module()
+    model.layers = nn.ModuleList(Block() for _ in range(2))
+    model.extra = nn.ModuleList(Expert(4, 4) for _ in range(3))  # another block type: not a stack of the split
+    split = plan_pipeline_split(model, 2)
+    assert split.stack == "layers" and split.after == ["extra"] and split.between == {}
+
+
+@pytest.mark.parametrize(("layers", "bound"), [(2, 0.63), (4, 0.6)])
+def test_t5_is_cut_along_its_encoder_and_decoder(layers: int, bound: float) -> None:
+    """transformers' T5 (unchanged): the encoder's blocks and the decoder's are one sequence. Before, only the
+    decoder's (the largest stack) were cut and the whole encoder ran on stage 0: 72% of the bytes on one of 2 ranks.
+    With 2 + 2 tiny blocks, no cut at a block does better than the one chosen (62.7%: the decoder's blocks are larger
+    and the head is tied to the embedding, held on both stages); with 4 + 4 each stage holds <= 60%."""
+    from helpers.zoo import zoo_module
+
+    module = zoo_module("t5", layers=layers)
+    split = plan_pipeline_split(module, 2)
+    assert split.stack == "model.encoder.block + model.decoder.block"
+    assert "model.encoder.final_layer_norm" in split.between
+    held = stage_fractions(module, split)
+    assert max(held) <= bound, held
+    blocks = [b for stage in split.blocks_per_stage for b in stage]
+    every_cut = [max(stage_fractions(module, plan_pipeline_split(module, 2, split_points=[b]))) for b in blocks[1:]]
+    assert max(held) == pytest.approx(min(every_cut)), "the chosen cut holds the least any whole-block cut can"
