@@ -4,6 +4,9 @@ written to ``docs/model-support.md`` from the run. Nothing in the page is typed 
     python tools/model_support.py --resume             # the whole matrix (about 3.5 hours on 2 CPU cores), continued
                                                        # from docs/model-support.json (the cells measured so far)
     python tools/model_support.py --models llama gpt2 --modes data pipeline-1f1b --out /tmp/page.md
+    python tools/model_support.py --resume --again --models t5 --modes "pipeline 1f1b"   # measure a cell again
+    python tools/model_support.py --resume --jobs 2    # two cells at a time (a data-parallel cell leaves a core idle
+                                                       # while one rank compiles for both)
 
 Each cell runs ``tests/distributed/jobs/zoo.py`` (the job the zoo tests run): the launching process trains the
 reference on one device with Lightning's shuffled order, then the sgdtp ranks train the same model on the same
@@ -27,6 +30,7 @@ import platform
 import re
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -150,7 +154,8 @@ def _commit() -> str:
     def git(*cmd: str) -> str:
         return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
-    return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
+    changed = git("status", "--porcelain", "-uno", "--", "lightning_sgdtp", "tests", "tools")  # not the results
+    return git("rev-parse", "--short", "HEAD") + ("+changes" if changed else "")
 
 
 def _versions() -> dict[str, str]:
@@ -164,7 +169,9 @@ def _versions() -> dict[str, str]:
     }  # fmt: skip
 
 
-def render(results: dict[str, dict[str, dict[str, Any]]], versions: dict[str, str], started: str, took: float) -> str:
+def render(
+    results: dict[str, dict[str, dict[str, Any]]], versions: dict[str, str], started: str, took: float, jobs: int = 1
+) -> str:
     modes = [m for m in MODES if any(m in row for row in results.values())]
     lines = [
         "# Model support",
@@ -175,7 +182,11 @@ def render(results: dict[str, dict[str, dict[str, Any]]], versions: dict[str, st
         "with the same model trained in one process on the same global batches. SGD, not AdamW: Adam-type optimizers",
         "turn noise-level gradients (summation order) into lr-sized steps and hide the comparison.",
         "",
-        f"Run: {started}, {took / 60:.0f} min of cells. " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
+        f"Run: {started}, {took / 60:.0f} min of cells"
+        + (f" (summed; up to {jobs} cells at a time)" if jobs > 1 else "")
+        + ". "
+        + ", ".join(f"{k} {v}" for k, v in versions.items())
+        + ".",
         "",
         "Cell: **ok** `rel` = relative difference of the parameter updates after 4 steps, whole state dict (buffers",
         "included), tolerance 1e-3 (fp32) / 0.15 (bf16-mixed); **refused** = the strategy's own error at setup (reason",
@@ -245,6 +256,14 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="keep the cells RESULTS has already")
     parser.add_argument(
+        "--again", action="store_true", help="with --resume: measure the selected cells again (code they ran changed)"
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1,
+        help="cells run at once (2 fills the core a data-parallel cell leaves idle while one rank compiles for both;"
+        " each cell's seconds then include the other's load)",
+    )  # fmt: skip
+    parser.add_argument(
         "--render", action="store_true", help="run nothing: write the page from RESULTS (a run cut short)"
     )
     args = parser.parse_args()
@@ -252,32 +271,43 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, Any]]] = {}
     saved = args.results
     args.work.mkdir(parents=True, exist_ok=True)
+    jobs = max(1, args.jobs)
     if args.resume and saved.exists():
         results = json.loads(saved.read_text())
         if (saved.with_suffix(".run.json")).exists():  # the page says when the first of the resumed runs began
-            started = json.loads(saved.with_suffix(".run.json").read_text())["started"]
+            earlier = json.loads(saved.with_suffix(".run.json").read_text())
+            started, jobs = earlier["started"], max(jobs, earlier.get("jobs", 1))
     if args.render:  # the cells a run cut short left, with their own timing: only what was measured
         results = json.loads(saved.read_text())
         meta = json.loads(saved.with_suffix(".run.json").read_text())
-        args.out.write_text(render(results, meta["versions"], meta["started"], meta["seconds"]))
+        args.out.write_text(render(results, meta["versions"], meta["started"], meta["seconds"], meta.get("jobs", 1)))
         print(f"wrote {args.out}")
         return
-    for mode in args.modes:  # column by column: a run cut short leaves whole columns
-        for model in args.models:
-            if mode in results.get(model, {}):
-                continue
-            slug = re.sub(r"[^a-z0-9]+", "-", f"{model}-{mode}".lower())
-            cell = {**run_cell(model, MODES[mode], args.work / slug, args.timeout), "commit": _commit()}
+    # column by column: a run cut short leaves whole columns
+    todo = [
+        (model, mode)
+        for mode in args.modes
+        for model in args.models
+        if args.again or mode not in results.get(model, {})
+    ]
+    commit = _commit()
+
+    def one(model: str, mode: str) -> tuple[str, str, dict[str, Any]]:
+        slug = re.sub(r"[^a-z0-9]+", "-", f"{model}-{mode}".lower())
+        return model, mode, {**run_cell(model, MODES[mode], args.work / slug, args.timeout), "commit": commit}
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # each cell is its own process tree
+        for model, mode, cell in (f.result() for f in as_completed([pool.submit(one, *c) for c in todo])):
             results.setdefault(model, {})[mode] = cell
             print(
                 f"{model:8s} {mode:32s} {cell['status']:8s} {cell.get('rel', cell.get('error', ''))!s:.160}", flush=True
             )
             saved.write_text(json.dumps(results, indent=1))
             seconds = sum(c["seconds"] for row in results.values() for c in row.values())
-            meta = {"versions": _versions(), "started": started, "seconds": seconds}
+            meta = {"versions": _versions(), "started": started, "seconds": seconds, "jobs": jobs}
             saved.with_suffix(".run.json").write_text(json.dumps(meta))
     seconds = sum(c["seconds"] for row in results.values() for c in row.values())
-    args.out.write_text(render(results, _versions(), started, seconds))
+    args.out.write_text(render(results, _versions(), started, seconds, jobs))
     print(f"wrote {args.out}")
 
 
