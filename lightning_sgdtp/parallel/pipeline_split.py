@@ -204,7 +204,7 @@ def _children(module: nn.Module) -> list[tuple[str, nn.Module]]:
 def _block_stacks(module: nn.Module, main: str) -> list[str]:
     """``main`` (the largest stack) and every other ``nn.ModuleList`` / ``nn.Sequential`` of >= 2 modules of the
     same block type, not inside one another, in registration order (an encoder's blocks before a decoder's)."""
-    kind = {type(b) for b in module.get_submodule(main).children()} if main else {type(b) for b in module.children()}
+    kind = {type(b) for b in module.get_submodule(main).children()}
     stacks: list[str] = []
     for name, child in module.named_modules():
         if not isinstance(child, (nn.ModuleList, nn.Sequential)) or any(_inside(name, s) for s in stacks):
@@ -385,9 +385,7 @@ def plan_pipeline_split(
     else:
         raise PipelineSplitError(_no_stack_message(module))
     stacks = _block_stacks(module, stack_name) if found is not None else [stack_name]
-    blocks = [
-        (_join(name, n), m) for name in stacks for n, m in _children(module.get_submodule(name) if name else module)
-    ]
+    blocks = [(_join(name, n), m) for name in stacks for n, m in _children(module.get_submodule(name))]
     block_names = [n for n, _ in blocks]
     stack_name = " + ".join(stacks)
     where = stack_name or type(module).__name__
@@ -405,14 +403,15 @@ def plan_pipeline_split(
     before = [(n, o) for n, o, _ in walk[:first_block]]
     after = [(n, o) for n, o, _ in walk[last_block + 1 :]]
     # each unit between two stacks belongs to the block registered before it
-    between = [(n, o) for n, o, is_block in walk[first_block:last_block] if not is_block]
-    between_block = {}
-    block_seen = -1
-    for n, _, is_block in walk[first_block : last_block + 1]:
+    between: list[tuple[str, Any]] = []
+    between_block: dict[str, int] = {}
+    block = -1
+    for n, o, is_block in walk[first_block:last_block]:
         if is_block:
-            block_seen += 1
+            block += 1
         else:
-            between_block[n] = block_seen
+            between.append((n, o))
+            between_block[n] = block
 
     # Parameter cost per unit, in execution order; a parameter used twice counts where it is registered first.
     units = before + blocks + between + after
