@@ -87,10 +87,12 @@ CELLS: dict[str, dict[str, Any]] = {
     # and with pipeline stages: 2 pipelines of 2 stages, each stage split over its 2 replicas
     "vit_pipeline_sharded": {"model": "vit", "devices": 4, "dp": 2, "sgdtp": {**PP, "sharding": "full"}, "batch": 8},
 }
-#: The slow tier (tests/README.md): GPT-2 hybrid replicated and the sharded pipeline cell. The default run keeps one
-#: transformers model per mode: ViT pipeline, Llama tensor, GPT-2 hybrid (sharded: also the suite's sharding with
-#: tensor parallel against a reference, on a model we did not write), ResNet data, Llama data sharded.
+#: The slow tier (tests/README.md). The default run keeps one transformers model per mode: Mixtral tensor (experts
+#: split, expert parallel), Gemma2 pipeline (padded batches, buffers, stages released), GPT-2 hybrid sharded (fused
+#: QKV as a Conv1D split by output features, and sharding with tensor parallel against a reference), ResNet data.
+#: Phi-3's fused q/k/v and gate/up are split by the same rule as GPT-2's c_attn (its plan: tests/unit/test_tensor_plan.py).
 SLOW = {
+    "phi3_tensor",
     "gpt2_hybrid",
     "vit_pipeline_sharded",
     "llama_data_sharded",
