@@ -2,14 +2,20 @@
 process on the same global batches (``jobs/zoo.py``: the reference reads Lightning's shuffled order, as the ranks do).
 
 The representative cells of the support matrix; the whole matrix is ``python tools/model_support.py``
-(docs/model-support.md). Each cell is one that broke or could break on models this repo did not write:
+(docs/model-support.md). Each cell is one that broke or could break on models this repo did not write (``SLOW``
+below says which run by default):
 
 - ``vit_pipeline``: transformers ``ViTForImageClassification``, 2 stages x 4 micro-batches: its stage boundary
   tensors are views, which torch's traced stages sent and received as such ("input tensor has to be contiguous",
   the failure of Llama and GPT-2 in issue 14; with ``use_cache`` off, Llama's boundaries are dense; ViT's and T5's
   are not): parallel/stage_boundaries.py;
-- ``llama_tensor``: transformers ``LlamaForCausalLM``, tensor parallel on 2 ranks. Failed before at compile: the KV cache
-  (``use_cache``) and then the explicit causal mask under DTensor attention (model_settings.py, dtensor_ops.py);
+- ``mixtral_tensor`` / ``phi3_tensor``: experts as 3-D parameters (expert parallel) and fused q/k/v + gate/up under
+  tensor parallel on 2 ranks; each rank holds about half the parameters. Tensor parallel on transformers failed before
+  at compile: the KV cache (``use_cache``) and the explicit causal mask under DTensor attention (model_settings.py,
+  dtensor_ops.py);
+- ``gemma2_pipeline_padded`` / ``gemma2_interleaved_padded``: padded text through a pipeline on a model with buffers,
+  against one process (micro-batch losses weighted by their counted labels; carried values in interleaved 1F1B);
+- ``bert_pipeline``: a submodule named ``self`` and a bias with two names on one stage;
 - ``resnet_data``: transformers ResNet with BatchNorm, against Lightning's DDP on the same ranks (batch statistics
   are per rank, as with DDP): parameters and the running statistics (buffers, rank 0's broadcast before each step);
 - ``llama_data_sharded`` / ``gpt2_hybrid_sharded`` / ``vit_pipeline_sharded``: ``sharding="full"`` (parameters as
@@ -20,8 +26,7 @@ The representative cells of the support matrix; the whole matrix is ``python too
 Tolerances, as in the parity tests of our own models (test_pipeline_parallel.py): fp32 over 4 AdamW steps
 ``rel`` < 1e-3 (measured 1e-6 .. 3e-5 here), first-step gradients < 1e-4 relative (measured ~2e-7). The negative
 control (Llama, data parallel with the gradient all-reduce off, ``debug_skip_sync='dp-sync'``) must be off
-by far more. The no-hang tests (test_no_hang.py) train the same Llama cells: one compile (Inductor's cache) serves
-both.
+by far more.
 """
 
 from __future__ import annotations
