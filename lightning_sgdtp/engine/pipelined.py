@@ -153,7 +153,8 @@ class PipelinedStep(StepEngine):
         if self.runner.retraced[seen:] and self.runner.carried:
             self.report.say(
                 f"pipeline: {len(self.runner.carried)} value(s) a later stage reads are carried through the stages"
-                f" between (e.g. {self.runner.carried[0]}): the interleaved schedule sends between adjacent stages only"
+                f" between (e.g. {self.runner.carried[0]}): stage 0 gets the micro-batch, and the interleaved"
+                " schedule sends between adjacent stages only"
             )
         if self.runner.weighted and not self._said_weighted:
             self._said_weighted = True

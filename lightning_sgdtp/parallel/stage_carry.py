@@ -15,6 +15,11 @@ hold does not change. Written here because torch's pipelining has no such option
 ``_PipelineStage`` reads: the stage submodules' placeholders and output, and the top graph's ``call_module``
 arguments and ``getitem`` users, in output order.
 
+**Model inputs** read first by a later stage are routed the same way, with every schedule: torch's stages give the
+micro-batch to stage 0 only (``_PipelineStage``: a later stage's inputs are what it receives). An encoder-decoder
+cut inside its encoder (T5: the decoder's token ids are first read where the decoder starts) gets them as extra
+inputs of stage 0, in the model's argument order, carried to the stage that reads them.
+
 The cost: a carried tensor crosses each boundary between the two stages once per micro-batch (forward, and its
 gradient backward if it is floating point), instead of one send. Rotary tables and masks are small next to the
 hidden states.
@@ -65,6 +70,22 @@ class _Stage:
             reader.replace_input_with(self.call, first)
         return [result]
 
+    def take_model_input(self, value: fx.Node, order: dict[fx.Node, int]) -> None:
+        """Stage 0 only: make the model input ``value`` one of this stage's inputs, at its place in the model's
+        argument order (torch calls stage 0 with the micro-batch's arguments, in order)."""
+        args = list(self.call.args)
+        if value in args:
+            return
+        at = sum(1 for a in args if order[a] < order[value])
+        placeholders = self.placeholders()
+        anchor = placeholders[at - 1] if at else None
+        where = self.graph.inserting_after(anchor) if anchor is not None else self.graph.inserting_before()
+        with where:
+            placeholder = self.graph.placeholder(str(value.target))
+        placeholder.meta["val"] = value.meta.get("val")
+        args.insert(at, value)
+        self.call.args = tuple(args)
+
     def pass_through(self, value: fx.Node, example: Any, name: str) -> fx.Node:
         """Make ``value`` (a top-graph node) an input of this stage and the same tensor an output; return the
         top-graph node of that output."""
@@ -84,11 +105,14 @@ class _Stage:
         return carried
 
 
-def carry_stage_inputs(split_gm: fx.GraphModule) -> list[str]:
-    """Rewrite torch's split graph so that each stage reads only what the stage before it sends (and the model's
-    inputs). Returns what was carried (``"submod_0 output getitem_1 -> stage 3 (through 1, 2)"``), for the plan."""
+def carry_stage_inputs(split_gm: fx.GraphModule, outputs: bool = True) -> list[str]:
+    """Rewrite torch's split graph so that stage 0 reads every model input a stage reads and each later stage only
+    what the stage before it sends; ``outputs=False`` (one stage per rank: point to point from any stage) carries
+    model inputs only. Returns what was carried (``"submod_0 output getitem_1 -> stage 3 (through 1, 2)"``), for
+    the plan."""
     calls = _stage_calls(split_gm)
     index = {call: i for i, call in enumerate(calls)}
+    inputs = {n: i for i, n in enumerate(n for n in split_gm.graph.nodes if n.op == "placeholder")}
     stages = [_Stage(split_gm, call) for call in calls]
     carried: dict[tuple[fx.Node, int], fx.Node] = {}  # (value, stage) -> that stage's pass-through output of it
     notes: list[str] = []
@@ -97,18 +121,23 @@ def carry_stage_inputs(split_gm: fx.GraphModule) -> list[str]:
         examples = [p.meta.get("val") for p in stage.placeholders()]
         for position, value in enumerate(list(stage.call.args)):
             producer = _producer(value)
-            if producer is None or index[producer] >= j - 1:
+            if value in inputs and j > 0:  # a model input: stage 0 takes it, the stages before j carry it
+                stages[0].take_model_input(value, inputs)
+                edited.add(0)
+                source = -1
+            elif producer is None or index[producer] >= j - 1 or not outputs:
                 continue
-            source, current = index[producer], value
+            else:
+                source = index[producer]
+            current = value
             for k in range(source + 1, j):
                 if (value, k) not in carried:
                     carried[(value, k)] = stages[k].pass_through(current, examples[position], value.name)
                     edited.add(k)
                 current = carried[(value, k)]
             stage.call.update_arg(position, current)
-            notes.append(
-                f"{calls[source].name} output {value.name} -> stage {j} (through {', '.join(map(str, range(source + 1, j)))})"
-            )
+            made = f"model input {value.name}" if source < 0 else f"{calls[source].name} output {value.name}"
+            notes.append(f"{made} -> stage {j} (through {', '.join(map(str, range(source + 1, j)))})")
     for k in edited:
         stages[k].module.recompile()
     split_gm.graph.lint()

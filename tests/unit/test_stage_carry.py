@@ -116,3 +116,50 @@ def test_an_unchanged_transformers_llama_carries_its_rotary_tables_and_computes_
     with torch.no_grad():
         got = pipe(ids)
         torch.testing.assert_close(got[0] if isinstance(got, tuple) else got, net(ids))
+
+
+class EncoderDecoder(nn.Module):
+    """T5's shape: the decoder's input is first read where the decoder starts, on a later stage than the encoder's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.dec_emb = nn.Embedding(16, 8)
+        self.decoder = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, decoder_ids: torch.Tensor) -> torch.Tensor:
+        h = x
+        for block in self.encoder:
+            h = torch.tanh(block(h))
+        d = self.dec_emb(decoder_ids)
+        for block in self.decoder:
+            d = torch.tanh(block(d) + h)
+        return d
+
+
+@pytest.mark.parametrize("outputs", [True, False])
+def test_a_model_input_first_read_by_a_later_stage_goes_in_at_stage_zero(outputs: bool) -> None:
+    """torch's stages give the micro-batch to stage 0 only: a cut inside the encoder left the decoder's ids to a
+    stage that never receives them ("forward() takes 2 positional arguments but 3 were given" on stage 0)."""
+    torch.manual_seed(0)
+    net, x, ids = EncoderDecoder(), torch.randn(3, 8), torch.randint(0, 16, (3,))
+    pipe = pipeline(net, mb_args=(x, ids), split_spec={"encoder.1": SplitPoint.BEGINNING})
+    calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+    assert [a.op for a in calls[1].args].count("placeholder") == 1, "torch's split: stage 1 reads the model input"
+    carried = carry_stage_inputs(pipe.split_gm, outputs=outputs)
+    assert carried == ["model input decoder_ids -> stage 1 (through 0)"], carried
+    assert [a.name for a in calls[0].args] == ["x", "decoder_ids"], "stage 0 takes the micro-batch's arguments"
+    assert all(a.op != "placeholder" for a in calls[1].args), "stage 1 reads only what stage 0 sends"
+    stage0 = pipe.split_gm.get_submodule(str(calls[0].target))
+    assert all("val" in n.meta for n in stage0.graph.nodes if n.op == "placeholder")
+    stage0(x, ids)  # called the way torch's schedule calls the first stage
+    got = torch.fx.Interpreter(pipe.split_gm).run(x, ids)
+    got = got[0] if isinstance(got, tuple) else got
+    expected = net(x, ids)
+    torch.testing.assert_close(got, expected)
+    expected.sum().backward()
+    want = {n: p.grad.clone() for n, p in net.named_parameters()}
+    net.zero_grad(set_to_none=True)
+    got.sum().backward()
+    for name, param in net.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], msg=name)
