@@ -86,6 +86,23 @@ class _Stage:
         args.insert(at, value)
         self.call.args = tuple(args)
 
+    def order_inputs_as_sent(self) -> bool:
+        """Put this stage's inputs in the order of the previous stage's outputs. torch's stage sends its input
+        gradients back in input order and the previous stage receives them in output order: a carried value
+        read before one of the previous stage's own outputs would pair a gradient with a buffer of another size
+        (gloo: "Received data size doesn't match expected size")."""
+        args = list(self.call.args)
+        slot = [a.args[1] if isinstance(a, fx.Node) and a.target is operator.getitem else -1 for a in args]
+        order = sorted(range(len(args)), key=lambda i: slot[i])
+        if order == list(range(len(args))):
+            return False
+        placeholders = self.placeholders()
+        body = next(n for n in self.graph.nodes if n.op != "placeholder")
+        for i in order:
+            body.prepend(placeholders[i])
+        self.call.args = tuple(args[i] for i in order)
+        return True
+
     def pass_through(self, value: fx.Node, example: Any, name: str) -> fx.Node:
         """Make ``value`` (a top-graph node) an input of this stage and the same tensor an output; return the
         top-graph node of that output."""
@@ -138,6 +155,7 @@ def carry_stage_inputs(split_gm: fx.GraphModule, outputs: bool = True) -> list[s
             stage.call.update_arg(position, current)
             made = f"model input {value.name}" if source < 0 else f"{calls[source].name} output {value.name}"
             notes.append(f"{made} -> stage {j} (through {', '.join(map(str, range(source + 1, j)))})")
+    edited |= {j for j, stage in enumerate(stages) if j > 0 and stage.order_inputs_as_sent()}
     for k in edited:
         stages[k].module.recompile()
     split_gm.graph.lint()

@@ -56,6 +56,14 @@ def _sources(split_gm: torch.fx.GraphModule) -> list[set[int]]:
     return result
 
 
+def _in_output_order(split_gm: torch.fx.GraphModule) -> bool:
+    """Each later stage reads the previous stage's outputs in their order: torch sends a stage's input gradients
+    back in input order and the previous stage receives them in output order."""
+    calls = [n for n in split_gm.graph.nodes if n.op == "call_module"]
+    slots = [[a.args[1] for a in call.args if a.target is operator.getitem] for call in calls[1:]]
+    return all(s == sorted(s) for s in slots)
+
+
 def _pipe(net: nn.Module, x: torch.Tensor, starts: list[str]):
     return pipeline(net, mb_args=(x,), split_spec={b: SplitPoint.BEGINNING for b in starts})
 
@@ -67,6 +75,7 @@ def test_every_stage_reads_only_the_stage_before_and_results_and_gradients_stay_
     assert _sources(pipe.split_gm)[3] == {0, 2}  # what torch's interleaved schedule refuses
     carried = carry_stage_inputs(pipe.split_gm)
     assert _sources(pipe.split_gm) == [set(), {0}, {1}, {2}]
+    assert _in_output_order(pipe.split_gm), "the gradients go back in the order they are received"
     assert any("stage 3 (through 1, 2)" in c for c in carried), carried
     for name, stage in pipe.split_gm.named_children():  # torch's stages read each placeholder's example value
         if name.startswith("submod_"):
@@ -113,6 +122,7 @@ def test_an_unchanged_transformers_llama_carries_its_rotary_tables_and_computes_
     pipe = _pipe(net, ids, ["model.model.layers.1", "model.model.layers.2", "model.model.layers.3"])
     carried = carry_stage_inputs(pipe.split_gm)
     assert _sources(pipe.split_gm) == [set(), {0}, {1}, {2}], carried
+    assert _in_output_order(pipe.split_gm)
     with torch.no_grad():
         got = pipe(ids)
         torch.testing.assert_close(got[0] if isinstance(got, tuple) else got, net(ids))
@@ -150,12 +160,61 @@ def test_a_model_input_first_read_by_a_later_stage_goes_in_at_stage_zero(outputs
     assert carried == ["model input decoder_ids -> stage 1 (through 0)"], carried
     assert [a.name for a in calls[0].args] == ["x", "decoder_ids"], "stage 0 takes the micro-batch's arguments"
     assert all(a.op != "placeholder" for a in calls[1].args), "stage 1 reads only what stage 0 sends"
+    assert _in_output_order(pipe.split_gm)
     stage0 = pipe.split_gm.get_submodule(str(calls[0].target))
     assert all("val" in n.meta for n in stage0.graph.nodes if n.op == "placeholder")
     stage0(x, ids)  # called the way torch's schedule calls the first stage
     got = torch.fx.Interpreter(pipe.split_gm).run(x, ids)
     got = got[0] if isinstance(got, tuple) else got
     expected = net(x, ids)
+    torch.testing.assert_close(got, expected)
+    expected.sum().backward()
+    want = {n: p.grad.clone() for n, p in net.named_parameters()}
+    net.zero_grad(set_to_none=True)
+    got.sum().backward()
+    for name, param in net.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], msg=name)
+
+
+class ScaleFirst(nn.Module):
+    """A block that reads the carried value before the hidden state (T5's decoder blocks read the masks and the
+    position bias around the hidden states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        gate = scale.exp()  # the carried value used before the hidden state
+        return torch.tanh(self.lin(x) * gate)
+
+
+class ScaleFirstNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+        self.blocks = nn.ModuleList([ScaleFirst() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.scale.sigmoid()
+        for block in self.blocks:
+            x = block(scale, x)
+        return x
+
+
+def test_a_stage_reads_what_it_receives_in_the_order_it_is_sent() -> None:
+    """Stage 2 reads the carried scale (from stage 0, through stage 1) before stage 1's hidden state. torch's stage
+    sends input gradients in input order and the stage before receives them in output order: left as traced, the
+    (8,) gradient and the (3, 8) one would cross (gloo: "Received data size doesn't match expected size")."""
+    torch.manual_seed(0)
+    net, x = ScaleFirstNet(), torch.randn(3, 8)
+    pipe = _pipe(net, x, ["blocks.1", "blocks.2"])
+    carry_stage_inputs(pipe.split_gm)
+    assert _sources(pipe.split_gm) == [set(), {0}, {1}]
+    assert _in_output_order(pipe.split_gm)
+    got = torch.fx.Interpreter(pipe.split_gm).run(x)
+    got = got[0] if isinstance(got, tuple) else got
+    expected = net(x)
     torch.testing.assert_close(got, expected)
     expected.sum().backward()
     want = {n: p.grad.clone() for n, p in net.named_parameters()}
