@@ -64,6 +64,22 @@ def _in_output_order(split_gm: torch.fx.GraphModule) -> bool:
     return all(s == sorted(s) for s in slots)
 
 
+def _computes_like(split_gm: torch.fx.GraphModule, net: nn.Module, *inputs: torch.Tensor) -> None:
+    """The edited graph, run whole in one process (torch's Pipe runs it without autograd; the stages share net's
+    parameters), gives the model's output and every parameter's gradient (carried values' gradients come back
+    through the stages between)."""
+    got = torch.fx.Interpreter(split_gm).run(*inputs)
+    got = got[0] if isinstance(got, tuple) else got
+    expected = net(*inputs)
+    torch.testing.assert_close(got, expected)
+    expected.sum().backward()
+    want = {n: p.grad.clone() for n, p in net.named_parameters()}
+    net.zero_grad(set_to_none=True)
+    got.sum().backward()
+    for name, param in net.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], msg=name)
+
+
 def _pipe(net: nn.Module, x: torch.Tensor, starts: list[str]):
     return pipeline(net, mb_args=(x,), split_spec={b: SplitPoint.BEGINNING for b in starts})
 
@@ -80,17 +96,7 @@ def test_every_stage_reads_only_the_stage_before_and_results_and_gradients_stay_
     for name, stage in pipe.split_gm.named_children():  # torch's stages read each placeholder's example value
         if name.startswith("submod_"):
             assert all("val" in n.meta for n in stage.graph.nodes if n.op == "placeholder"), name
-    expected = net(x)
-    # the graph run whole in one process (torch's Pipe runs it without autograd; the stages share net's parameters)
-    got = torch.fx.Interpreter(pipe.split_gm).run(x)
-    got = got[0] if isinstance(got, tuple) else got
-    torch.testing.assert_close(got, expected)
-    expected.sum().backward()
-    want = {n: p.grad.clone() for n, p in net.named_parameters()}
-    net.zero_grad(set_to_none=True)
-    got.sum().backward()  # the carried scale's gradient comes back through the stages between
-    for name, param in net.named_parameters():
-        torch.testing.assert_close(param.grad, want[name], msg=name)
+    _computes_like(pipe.split_gm, net, x)
 
 
 def test_adjacent_stages_are_left_as_they_are() -> None:
@@ -164,16 +170,7 @@ def test_a_model_input_first_read_by_a_later_stage_goes_in_at_stage_zero(outputs
     stage0 = pipe.split_gm.get_submodule(str(calls[0].target))
     assert all("val" in n.meta for n in stage0.graph.nodes if n.op == "placeholder")
     stage0(x, ids)  # called the way torch's schedule calls the first stage
-    got = torch.fx.Interpreter(pipe.split_gm).run(x, ids)
-    got = got[0] if isinstance(got, tuple) else got
-    expected = net(x, ids)
-    torch.testing.assert_close(got, expected)
-    expected.sum().backward()
-    want = {n: p.grad.clone() for n, p in net.named_parameters()}
-    net.zero_grad(set_to_none=True)
-    got.sum().backward()
-    for name, param in net.named_parameters():
-        torch.testing.assert_close(param.grad, want[name], msg=name)
+    _computes_like(pipe.split_gm, net, x, ids)
 
 
 class ScaleFirst(nn.Module):
@@ -212,13 +209,4 @@ def test_a_stage_reads_what_it_receives_in_the_order_it_is_sent() -> None:
     carry_stage_inputs(pipe.split_gm)
     assert _sources(pipe.split_gm) == [set(), {0}, {1}]
     assert _in_output_order(pipe.split_gm)
-    got = torch.fx.Interpreter(pipe.split_gm).run(x)
-    got = got[0] if isinstance(got, tuple) else got
-    expected = net(x)
-    torch.testing.assert_close(got, expected)
-    expected.sum().backward()
-    want = {n: p.grad.clone() for n, p in net.named_parameters()}
-    net.zero_grad(set_to_none=True)
-    got.sum().backward()
-    for name, param in net.named_parameters():
-        torch.testing.assert_close(param.grad, want[name], msg=name)
+    _computes_like(pipe.split_gm, net, x)
