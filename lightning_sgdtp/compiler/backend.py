@@ -35,7 +35,7 @@ from lightning_sgdtp.compiler.artifacts import PLUGIN_FINGERPRINT, install_atomi
 from lightning_sgdtp.compiler.bucket_cost import CostModel
 from lightning_sgdtp.compiler.buckets import GraphBuckets, insert_bucketed_allreduce
 from lightning_sgdtp.compiler.shard_proof import check_sharded_gradients, count_collectives
-from lightning_sgdtp.compiler.waits import one_wait_per_collective
+from lightning_sgdtp.compiler.waits import one_tensor_per_output, one_wait_per_collective
 from lightning_sgdtp.config import SGDTPConfig
 from lightning_sgdtp.parallel.sharding import MARK
 
@@ -196,6 +196,8 @@ class SGDTPCompiler:
 
         def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
             if sharded and one_wait_per_collective(g.graph):  # Inductor's bucketing asserts one wait per collective
+                g.recompile()
+            if sharded and kwargs.get("is_backward") and one_tensor_per_output(g.graph):  # no two .grad share one
                 g.recompile()
             if sharded:
                 record = self.sharded_graphs.setdefault(graph_id, {"graph_id": graph_id})

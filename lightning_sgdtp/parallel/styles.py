@@ -124,7 +124,9 @@ class ExpertParallel(ParallelStyle):
             ids = ids.masked_fill(others, local)
             weights = _replicated_input(top_k_weights, device_mesh).masked_fill(others, 0.0)
             hidden = _replicated_input(hidden_states, device_mesh)
-            shards = {n: module._parameters[n].to_local() for n in names}
+            # this rank's experts: the attribute read, which under sharding='full' gathers them over dp first (the
+            # stored parameter is then a (dp, tp) DTensor whose local piece is part of one expert's slice)
+            shards = {n: getattr(module, n).to_local() for n in names}
             with _reparametrize_module(module, shards):
                 out = forward(module, hidden, ids, weights)
             # the experts' outputs summed over the group (one all-reduce, as a row-parallel layer's)

@@ -21,6 +21,8 @@ below says which run by default):
 - ``llama_data_sharded`` / ``gpt2_hybrid_sharded`` / ``vit_pipeline_sharded``: ``sharding="full"`` (parameters as
   DTensors over dp, gathered by their read inside the compiled graphs); GPT-2's Conv1D weights are split by dp inside
   their tensor-parallel shard; ViT's stages are each split over their 2 replicas;
+- ``phi_sharded_accumulate`` / ``mixtral_hybrid_sharded``: one gradient tensor returned for two parameters
+  (compiler/waits.py) and experts split over tp then dp (parallel/styles.py), both found by the support matrix;
 - a BatchNorm model under pipeline parallelism is refused at setup, naming the layers, the reason and the fix.
 
 Tolerances, as in the parity tests of our own models (test_pipeline_parallel.py): fp32 over 4 AdamW steps
@@ -91,6 +93,25 @@ CELLS: dict[str, dict[str, Any]] = {
     },
     # and with pipeline stages: 2 pipelines of 2 stages, each stage split over its 2 replicas
     "vit_pipeline_sharded": {"model": "vit", "devices": 4, "dp": 2, "sgdtp": {**PP, "sharding": "full"}, "batch": 8},
+    # two bugs the support matrix found (compiler/waits.py, parallel/styles.py): Phi's two output biases share one
+    # gradient tensor; a sharded step that accumulates (here 2 batches; a pipeline's micro-batches likewise) added
+    # the second gradient to both twice (0.37 relative error). Mixtral's experts split by tensor parallel and then
+    # over dp: each rank must gather its experts before running them (a fake-tensor error at the first step)
+    "phi_sharded_accumulate": {
+        "model": "phi",
+        "devices": 2,
+        "dp": 2,
+        "sgdtp": {"sharding": "full"},
+        "trainer": {"accumulate_grad_batches": 2},
+        "optimizer": "sgd",
+        "lr": 0.1,
+    },
+    "mixtral_hybrid_sharded": {
+        "model": "mixtral",
+        "devices": 4,
+        "dp": 2,
+        "sgdtp": {"parallelism": "hybrid", "tensor_parallel_size": 2, "sharding": "full"},
+    },
 }
 #: The slow tier (tests/README.md). The default run keeps one transformers model per mode: Mixtral tensor (experts
 #: split, expert parallel), Gemma2 pipeline (padded batches, buffers, stages released), GPT-2 hybrid sharded (fused
@@ -104,6 +125,8 @@ SLOW = {
     "vit_pipeline",
     "gemma2_interleaved_padded",
     "bert_pipeline",
+    "phi_sharded_accumulate",
+    "mixtral_hybrid_sharded",
 }
 _RESULTS: dict[str, dict] = {}
 
