@@ -4,6 +4,8 @@
   weight stored transposed, ``(in, out)``, and computed with ``addmm``. torch's ``ColwiseParallel`` /
   ``RowwiseParallel`` accept only ``nn.Linear`` / ``nn.Embedding``; their input and output handling is right as is,
   only the dimension each parameter is split on swaps. So these subclasses replace the partition and nothing else.
+- :class:`ReplicateOnMesh`: a module's parameters as replicated DTensors, its inputs and outputs as they are (a norm
+  that reads DTensor activations). torch 2.13 has no public style for it; ``distribute_module`` does the work.
 - :class:`ExpertParallel`: mixture-of-experts experts stored as 3-D parameters ``(experts, ..., ...)`` in
   transformers' experts convention (``num_experts``; a forward ``(hidden_states, top_k_index, top_k_weights)`` that
   skips expert ids ``>= num_experts``: the sentinel transformers' own expert parallelism uses). Each rank of the
@@ -78,6 +80,13 @@ class Conv1DRowwise(RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)
         return _distribute_linear(self, module, device_mesh)
+
+
+class ReplicateOnMesh(ParallelStyle):
+    """Every parameter of the module a ``Replicate()`` DTensor on the mesh (``distribute_module``'s default)."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        return distribute_module(module, device_mesh)
 
 
 def expert_count(module: nn.Module) -> int | None:

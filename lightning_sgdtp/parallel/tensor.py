@@ -28,6 +28,13 @@ from torch import nn
 from lightning_sgdtp.parallel.styles import expert_count, linear_shape
 
 STYLES = ("colwise", "rowwise", "colwise_gather", "experts", "replicate", "sequence")
+#: A norm beside a split column -> row pair whose width is not the stream's (Qwen3's ``q_norm`` / ``k_norm``, over
+#: each head of the column-parallel q and k; a block's own norms have the stream's width and read it): it reads the pair's DTensor activations, so its weight is a replicated DTensor on the mesh (torch's
+#: ``distribute_module``), and so is its gradient. A plain weight there got a DTensor gradient: data parallel fell
+#: back to averaging it after backward, and sharding's gathering read of it failed at compile
+#: ("local_tensor argument only accepts torch.Tensor but got DTensor", Qwen3 under hybrid + sharding="full").
+#: Set by the automatic plan only.
+HEAD_NORM = "head_norm"
 NORMS = (nn.LayerNorm, nn.RMSNorm)
 
 # Leaf names of linear layers that read the block's input (column-parallel) and write its output (row-parallel).
@@ -80,7 +87,7 @@ class TensorPlan:
 
     def describe(self) -> list[str]:
         """One line per decision, for rank 0's log."""
-        counts = {s: sum(1 for v in self.styles.values() if v == s) for s in STYLES if s != "replicate"}
+        counts = {s: sum(1 for v in self.styles.values() if v == s) for s in (*STYLES, HEAD_NORM) if s != "replicate"}
         head = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
         lines = [f"tensor-parallel plan ({self.source}, tp={self.tp}): {head or 'nothing sharded'}"]
         for name, style in self.styles.items():
@@ -198,6 +205,11 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
                     " gathered where the model splits them"
                 )
         plan.styles[prefix + outs[0]] = "rowwise"
+        for n, m in parent.named_children():  # a norm of another width than the stream's: over each head
+            own = [p for p in m._parameters.values() if p is not None]
+            if _is_norm(m) and own and all(p.shape[-1] != width for p in own):
+                plan.styles[prefix + n] = HEAD_NORM
+                plan.notes[prefix + n] = "reads the column-parallel activations: weight replicated on the mesh"
     # 2. Token embedding (vocabulary-parallel) and the LM head that produces logits over the same vocabulary.
     embeddings = {n: m for n, m in named.items() if isinstance(m, nn.Embedding) and not _inside(n, opaque)}
     token = None
@@ -259,11 +271,15 @@ def _sequential_pair(parent: nn.Sequential, shapes: dict[str, tuple[int, int]]) 
     return ([first], [second]) if a_out == b_in and a_in == b_out else ([], [])
 
 
+def _is_norm(m: nn.Module) -> bool:
+    return isinstance(m, NORMS) or "norm" in type(m).__name__.lower()
+
+
 def _not_planned(m: nn.Module) -> str | None:
     """Why a module with parameters of its own that is not an ``nn.Linear`` stays replicated (None: a norm, small
     and replicated by design, or no parameters of its own)."""
     own = [p for p in m._parameters.values() if p is not None]
-    if not own or isinstance(m, NORMS) or "norm" in type(m).__name__.lower():
+    if not own or _is_norm(m):
         return None
     if any(p.ndim == 3 for p in own):
         return (
@@ -340,7 +356,7 @@ def plan_sequence_parallel(module: nn.Module, plan: TensorPlan) -> None:
             if linear_shape(m) is not None and plan.styles.get(full) not in ("colwise", "rowwise"):
                 plan.sequence_reason = f"not applied: {full} is not split, so it would read a sequence shard"
                 return
-            if isinstance(m, NORMS):
+            if isinstance(m, NORMS) and full not in plan.styles:
                 norms.append(full)
     if not norms:
         plan.sequence_reason = f"not applied: the blocks of {stack_name or 'the model'} have no LayerNorm/RMSNorm"
@@ -420,7 +436,13 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorPlan, tp_mesh: Any) -> 
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     from lightning_sgdtp.parallel import dtensor_ops
-    from lightning_sgdtp.parallel.styles import Conv1DColwise, Conv1DRowwise, ExpertParallel, is_conv1d
+    from lightning_sgdtp.parallel.styles import (
+        Conv1DColwise,
+        Conv1DRowwise,
+        ExpertParallel,
+        ReplicateOnMesh,
+        is_conv1d,
+    )
 
     dtensor_ops.register()
     named = dict(module.named_modules())
@@ -448,6 +470,8 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorPlan, tp_mesh: Any) -> 
             styles[name] = SequenceParallel()
         elif style == "experts":
             styles[name] = ExpertParallel()
+        elif style == HEAD_NORM:
+            styles[name] = ReplicateOnMesh()
     if styles:
         parallelize_module(module, tp_mesh, styles)
     if plan.sequence_blocks:

@@ -282,6 +282,18 @@ def test_tensor_parallel_divides_the_model(name: str) -> None:
     assert bool(fused) == (name in ("gpt2", "phi3", "neox")), plan.notes
 
 
+def test_a_norm_over_each_head_is_put_on_the_mesh_and_a_blocks_norms_are_not() -> None:
+    """Qwen3's q_norm / k_norm (RMSNorm over head_dim) read the column-parallel q and k: their weights become
+    replicated DTensors (a plain weight got a DTensor gradient, which sharding's read could not take). The norms of
+    nn.TransformerEncoderLayer sit beside its linear1 -> linear2 pair too, but have the stream's width: left alone."""
+    qwen3 = _plan_of("qwen3")
+    on_mesh = sorted(n for n, s in qwen3.styles.items() if s == "head_norm")
+    assert on_mesh == [f"model.model.layers.{i}.self_attn.{k}_norm" for i in (0, 1) for k in "kq"], on_mesh
+    assert "4 head_norm" in qwen3.describe()[0]
+    assert qwen3.coverage["split_fraction"] >= 0.8, "a norm on the mesh is not counted as split"
+    assert "head_norm" not in auto_plan(MHALanguageModel(), 2).styles.values()
+
+
 def test_coverage_is_counted_and_a_mostly_replicated_model_is_named() -> None:
     """BERT's attention and MLP pairs span two modules each (BertSelfAttention -> BertSelfOutput): its blocks stay
     replicated, each layer with the reason, and the warning names the largest with the fix."""
