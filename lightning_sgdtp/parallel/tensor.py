@@ -29,8 +29,9 @@ from lightning_sgdtp.parallel.styles import expert_count, linear_shape
 
 STYLES = ("colwise", "rowwise", "colwise_gather", "experts", "replicate", "sequence")
 #: A norm beside a split column -> row pair whose width is not the stream's (Qwen3's ``q_norm`` / ``k_norm``, over
-#: each head of the column-parallel q and k; a block's own norms have the stream's width and read it): it reads the pair's DTensor activations, so its weight is a replicated DTensor on the mesh (torch's
-#: ``distribute_module``), and so is its gradient. A plain weight there got a DTensor gradient: data parallel fell
+#: each head of the column-parallel q and k; a block's own norms have the stream's width and read it): it reads the
+#: pair's DTensor activations, so its weight is a replicated DTensor on the mesh (torch's ``distribute_module``),
+#: and so is its gradient. A plain weight there got a DTensor gradient: data parallel fell
 #: back to averaging it after backward, and sharding's gathering read of it failed at compile
 #: ("local_tensor argument only accepts torch.Tensor but got DTensor", Qwen3 under hybrid + sharding="full").
 #: Set by the automatic plan only.
