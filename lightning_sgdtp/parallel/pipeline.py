@@ -376,12 +376,17 @@ class PipelineRunner:
         if not self.names_per_stage:
             modules = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
             self._find_shared([{n for n, _ in m.named_parameters()} for m in modules])
-            # with every other name of the same tensor in the module (BERT's decoder.bias is predictions.bias)
+            # with every other name of the same tensor in the module (BERT's decoder.bias is predictions.bias), found
+            # through the module's own tensor of that name: a stage traced from whole copies of sharded parameters
+            # (sharding.whole_for_tracing) holds other tensors until it is relinked
+            stored = self.module.state_dict(keep_vars=True)
             aliases: dict[int, set[str]] = {}
-            for name, tensor in self.module.state_dict(keep_vars=True).items():
+            for name, tensor in stored.items():
                 aliases.setdefault(id(tensor), set()).add(name)
             self.names_per_stage = [
-                set().union(*(aliases.get(id(t), {n}) for n, t in [*m.named_parameters(), *m.named_buffers()]))
+                set().union(
+                    *(aliases.get(id(stored.get(n, t)), {n}) for n, t in [*m.named_parameters(), *m.named_buffers()])
+                )
                 for m in modules
             ]
         stages = []
@@ -409,7 +414,7 @@ class PipelineRunner:
         from lightning_sgdtp.parallel.pipeline_split import plan_pipeline_split
 
         self.measure = False
-        blocks = [b for stage in self.split.blocks_per_stage for b in stage]
+        blocks = self.split.whole_blocks()  # measured costs balance whole blocks (block_costs is one per block)
         with self.tracing():
             measured = measure_block_costs(
                 self.module, blocks, _first_chunk(args, chunks), _first_chunk(kwargs, chunks)

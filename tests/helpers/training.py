@@ -100,6 +100,8 @@ def shuffled_like_lightning(data: DataLoader, batch_size: int) -> DataLoader:
 def gather_full(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every rank's tensors (a pipeline stage's), merged: what rank 0 returns is the whole model."""
     parts: list[Any] = [None] * dist.get_world_size()
+    meta = [k for k, v in named.items() if v.is_meta]
+    assert not meta, f"rank {dist.get_rank()} returns released (meta) tensors as its own: {meta}"
     dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in named.items()})
     merged: dict[str, torch.Tensor] = {}
     for part in parts:

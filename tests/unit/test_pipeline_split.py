@@ -502,20 +502,55 @@ def test_a_stack_inside_a_block_is_not_a_stack_of_its_own() -> None:
     assert split.stack == "layers" and split.after == ["extra"] and split.between == {}
 
 
-@pytest.mark.parametrize(("layers", "bound"), [(2, 0.63), (4, 0.6)])
-def test_t5_is_cut_along_its_encoder_and_decoder(layers: int, bound: float) -> None:
+@pytest.mark.parametrize(("layers", "cut"), [(2, ["model.decoder.block.0"]), (4, ["model.decoder.block.0"]), (6, [])])
+def test_t5_is_cut_along_its_encoder_and_decoder(layers: int, cut: list[str]) -> None:
     """transformers' T5 (unchanged): the encoder's blocks and the decoder's are one sequence. Before, only the
     decoder's (the largest stack) were cut and the whole encoder ran on stage 0: 72% of the bytes on one of 2 ranks.
-    With 2 + 2 tiny blocks, no cut at a block does better than the one chosen (62.7%: the decoder's blocks are larger
-    and the head is tied to the embedding, held on both stages); with 4 + 4 each stage holds <= 60%."""
+    With 2 + 2 tiny blocks no cut at a whole block holds less than 62.7% on one stage (the decoder's blocks are
+    larger and the head is tied to the embedding, held on both stages): the decoder's first block is cut between
+    its layers (T5Block.layer: self-attention | cross-attention, feed-forward), 54% / 53%. With 6 + 6 a whole-block
+    cut balances the stages and no block is cut."""
     from helpers.zoo import zoo_module
 
     module = zoo_module("t5", layers=layers)
     split = plan_pipeline_split(module, 2)
     assert split.stack == "model.encoder.block + model.decoder.block"
     assert "model.encoder.final_layer_norm" in split.between
+    assert split.cut_blocks == cut
     held = stage_fractions(module, split)
-    assert max(held) <= bound, held
-    blocks = [b for stage in split.blocks_per_stage for b in stage]
-    every_cut = [max(stage_fractions(module, plan_pipeline_split(module, 2, split_points=[b]))) for b in blocks[1:]]
-    assert max(held) == pytest.approx(min(every_cut)), "the chosen cut holds the least any whole-block cut can"
+    assert max(held) <= 0.55, held
+    whole = split.whole_blocks()
+    assert whole == [f"model.{s}.block.{i}" for s in ("encoder", "decoder") for i in range(layers)]
+    every_cut = [max(stage_fractions(module, plan_pipeline_split(module, 2, split_points=[b]))) for b in whole[1:]]
+    if cut:
+        assert max(held) < 0.95 * min(every_cut), "a cut inside a block is taken only when it gains >= 5%"
+        assert any(f"{cut[0]} is cut between its layers" in line for line in split.describe())
+        assert split.to_dict()["cut_blocks"] == cut
+    else:
+        assert max(held) == pytest.approx(min(every_cut)), "the chosen cut holds the least any whole-block cut can"
+
+
+def test_a_block_is_cut_inside_only_when_its_body_is_one_sequence_of_layers() -> None:
+    """A block whose parameters are not all inside one layer list (here a norm beside it) is never cut inside: the
+    order its forward calls them in is unknown. The same block without the norm is cut between its layers."""
+
+    class Block(nn.Module):
+        def __init__(self, width: int, extra: bool) -> None:
+            super().__init__()
+            self.layer = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+            self.norm = nn.LayerNorm(width) if extra else None
+
+    for extra, cut in ((True, []), (False, ["blocks.1"])):
+        model = nn.Module()
+        model.blocks = nn.ModuleList([Block(4, extra), Block(16, extra)])  # one small, one large block: 2 stages
+        split = plan_pipeline_split(model, 2)
+        assert split.cut_blocks == cut, split.describe()
+        if cut:
+            assert split.blocks_per_stage == [
+                ["blocks.0", "blocks.1.layer.0"],
+                ["blocks.1.layer.1", "blocks.1.layer.2"],
+            ]
+            assert split.stage_of("blocks.1.layer.2.weight") == 1 and split.whole_blocks() == ["blocks.0", "blocks.1"]
+        # balancing by given costs or split points cuts at whole blocks only
+        assert plan_pipeline_split(model, 2, block_costs=[1.0, 1.0]).cut_blocks == []
+        assert plan_pipeline_split(model, 2, split_points=["blocks.1"]).cut_blocks == []
