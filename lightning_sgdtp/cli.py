@@ -133,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--json", action="store_true", help="print JSON instead of the table")
     doc.add_argument("--env", type=Path, default=None, help="check a recorded environment (JSON) instead of probing")
     doc.add_argument("--save", type=Path, default=None, help="write this machine's probed environment as JSON")
+    doc.add_argument(
+        "--sbatch",
+        type=Path,
+        default=None,
+        help="also check a SLURM batch script: GPUs per node and --devices against --ntasks-per-node",
+    )
     doc.set_defaults(run=_doctor)
 
     sign = _folder_command(commands, "sign", _sign)
@@ -197,6 +203,12 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.save:
         args.save.write_text(json.dumps(env, indent=1, sort_keys=True))
     rows = doctor.check(env)
+    if args.sbatch:
+        try:
+            rows += doctor.check_sbatch(args.sbatch.read_text())
+        except (OSError, ValueError) as err:
+            print(f"sgdtp doctor: {args.sbatch}: {err}", file=sys.stderr)
+            return 2
     result = doctor.report(env, rows)
     if args.json:
         print(json.dumps(result, indent=1))

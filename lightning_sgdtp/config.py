@@ -59,7 +59,8 @@ class SGDTPConfig:
         broadcast_buffers: Broadcast module buffers (e.g. BatchNorm statistics) from rank 0 before each
             training step, like DDP.
         collective_timeout: Seconds a collective may wait before the job fails (process-group timeout). It also
-            bounds how long the job takes to end when a rank dies, raises or hangs (see ``docs/faults.md``).
+            bounds how long the job takes to end when a rank dies, raises or hangs (see
+            ``docs/slurm-and-faults.md#a-rank-dies-raises-or-hangs``).
         shutdown_grace: Seconds a rank has to end on its own after SIGTERM / SIGINT, or after it failed, before it
             is ended (exit code 128 + signal, or 1) even if it is blocked in a collective; its peers are told and
             end too. See ``docs/slurm-and-faults.md``.
@@ -80,8 +81,9 @@ class SGDTPConfig:
             ``"colwise"``, ``"rowwise"``, ``"colwise_gather"``, ``"replicate"``.
         sequence_parallel: split the residual stream of the block stack by sequence too (norms, dropout and
             residual adds on 1/tp of the activations; all-gather before and reduce-scatter after the split layers
-            instead of one all-reduce). ``None`` (default): on with CUDA devices, off on CPU (gloo runs a
-            reduce-scatter as a full all-reduce). Applied only where it is correct; see the plan's log line.
+            instead of one all-reduce). ``None`` (default): off on every device; on CPU gloo runs a reduce-scatter
+            as a full all-reduce, and on CUDA it stays off until a GPU run of ``benchmarks/gpu_check.py`` passes
+            (``docs/hardware.md``). ``True``: on. Applied only where it is correct; see the plan's log line.
         pipeline_stages: ranks per pipeline (pipeline-parallel size, >= 2); data parallel runs across the
             pipelines (``devices / pipeline_stages`` replicas). ``None`` with ``pipeline_chunks`` set: one
             pipeline per node when there are several nodes (each stage across nodes, data parallel inside

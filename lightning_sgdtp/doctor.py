@@ -8,6 +8,9 @@ tests' recorded machines):
   C++ compiler Inductor needs on CPU and Triton on GPU, Lightning and torchmetrics. Plain data.
 - :func:`check` compares such data with ``supported.json`` (shipped in the package) and returns one row per
   item, with a verdict (``ok``, ``warn``, ``fail``) and the fix for anything that is not ok.
+
+``sgdtp doctor --sbatch FILE`` adds :func:`check_sbatch`: a SLURM batch script's GPU request against its tasks per
+node and the ``--devices`` it passes (one task per GPU), read by :func:`parse_sbatch` into plain data.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -204,6 +208,129 @@ def check(env: dict[str, Any], supported: dict[str, Any] | None = None) -> list[
         )
     else:
         rows.append(Row("GPUs", "none: CPU training with gloo", "ok"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- sbatch
+_SHORT_OPTIONS = {"N": "nodes", "n": "ntasks", "G": "gpus", "c": "cpus-per-task"}
+_NTASKS_VARS = ("$SLURM_NTASKS_PER_NODE", "${SLURM_NTASKS_PER_NODE}")
+
+
+def _sbatch_options(text: str) -> dict[str, str]:
+    """The ``#SBATCH`` options, as sbatch reads them: lines that start with ``#SBATCH`` (not ``##SBATCH``) before
+    the first command; ``--name=value``, ``--name value``, ``-N2``, ``-N 2``; the last one of a name wins."""
+    options: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.startswith("#SBATCH"):
+            if line.strip() and not line.lstrip().startswith("#"):
+                break
+            continue
+        words = shlex.split(line[len("#SBATCH") :], comments=True)
+        for i, word in enumerate(words):
+            if not word.startswith("-") or word == "-":
+                continue
+            name, eq, value = word.lstrip("-").partition("=")
+            if not word.startswith("--") and len(name) > 1 and not eq:  # -N2
+                name, value = name[0], name[1:]
+            elif not eq and i + 1 < len(words) and not words[i + 1].startswith("-"):
+                value = words[i + 1]
+            options[_SHORT_OPTIONS.get(name, name) if not word.startswith("--") else name] = value
+    return options
+
+
+def _count(value: str) -> int:
+    """``8``, ``a100:8`` (GPU type first) or ``2-4`` (a node range: its minimum)."""
+    try:
+        return int(value.split(":")[-1].split("-")[0])
+    except ValueError:
+        raise ValueError(f"#SBATCH value {value!r} is not a count (8, a100:8 or 2-4)") from None
+
+
+def _script_arg(text: str, flag: str) -> str | None:
+    """The last value the script passes after ``flag`` (``--devices 8``, ``--devices="${X}"``), outside comments;
+    a shell default ``${VAR:-x}`` is read as ``x``."""
+    found = None
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        for m in re.finditer(rf"{flag}(?:=|\s+)[\"']?([^\s\"'\\]+)", line):
+            found = m.group(1)
+    default = re.fullmatch(r"\$\{\w+:-([^}]*)\}", found or "")
+    return default.group(1) if default else found
+
+
+def parse_sbatch(text: str) -> dict[str, Any]:
+    """What a batch script asks SLURM for and what it passes to training, as plain data: ``nodes``,
+    ``ntasks_per_node``, ``gpus_per_node`` (from ``--gpus-per-node``, ``--gres=gpu:N``, ``--gpus`` over the nodes or
+    ``--gpus-per-task`` times the tasks; ``None`` without a GPU request) and ``gpu_request`` (the option that set
+    it), ``devices`` and ``accelerator`` (the values the script passes after those flags; ``None`` if it does not)."""
+    options = _sbatch_options(text)
+    nodes = _count(options["nodes"]) if options.get("nodes") else 1
+    tasks = _count(options["ntasks-per-node"]) if options.get("ntasks-per-node") else None
+    gres = next((g for g in options.get("gres", "").split(",") if g.split(":")[0] == "gpu"), None)
+    gpus: int | float | None = None
+    request = None
+    if options.get("gpus-per-node"):
+        gpus, request = _count(options["gpus-per-node"]), f"--gpus-per-node={options['gpus-per-node']}"
+    elif gres:
+        gpus, request = (_count(gres) if ":" in gres else 1), f"--gres={gres}"
+    elif options.get("gpus"):
+        per_node = _count(options["gpus"]) / nodes
+        gpus, request = int(per_node) if per_node.is_integer() else per_node, f"--gpus={options['gpus']}"
+    elif options.get("gpus-per-task") and tasks:
+        gpus, request = _count(options["gpus-per-task"]) * tasks, f"--gpus-per-task={options['gpus-per-task']}"
+    return {
+        "nodes": nodes,
+        "ntasks_per_node": tasks,
+        "gpus_per_node": gpus or None,
+        "gpu_request": request if gpus else None,
+        "devices": _script_arg(text, "--devices"),
+        "accelerator": _script_arg(text, "--accelerator"),
+    }
+
+
+def check_sbatch(text: str) -> list[Row]:
+    """A batch script's layout: one task per device (``--devices`` = ``--ntasks-per-node``) and, for a GPU run, one
+    GPU per task (GPUs per node = ``--ntasks-per-node``). Options given to ``sbatch`` on its command line override
+    the script's and are not seen here."""
+    job = parse_sbatch(text)
+    tasks, gpus, devices, accelerator = (job[k] for k in ("ntasks_per_node", "gpus_per_node", "devices", "accelerator"))
+    if tasks is None:
+        fix = "add '#SBATCH --ntasks-per-node=N', N = devices per node: Lightning starts one process per task"
+        return [Row("sbatch tasks per node", "no --ntasks-per-node", "fail", fix)]
+    rows = [Row("sbatch tasks per node", f"{job['nodes']} node(s) x {tasks} task(s)", "ok")]
+    if devices is None:
+        rows.append(
+            Row("sbatch --devices", "not passed", "warn", f"pass --devices ${{SLURM_NTASKS_PER_NODE}} ({tasks})")
+        )
+    elif devices in _NTASKS_VARS or devices == str(tasks):
+        rows.append(Row("sbatch --devices", f"{devices} (= --ntasks-per-node={tasks})", "ok"))
+    else:
+        fix = (
+            f"pass --devices ${{SLURM_NTASKS_PER_NODE}} (or make the two equal): Lightning stops every task with"
+            f" devices={devices} and --ntasks-per-node={tasks}"
+        )
+        rows.append(Row("sbatch --devices", f"--devices {devices}, --ntasks-per-node={tasks}", "fail", fix))
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator in (None, "auto") and gpus is not None)
+    item = "sbatch GPUs per node"
+    if not on_gpu:
+        if gpus:
+            fix = "drop the GPU request (or give sbatch --gpus-per-node=0), or train with --accelerator gpu"
+            rows.append(Row(item, f"{job['gpu_request']} for a run with --accelerator {accelerator}", "warn", fix))
+        else:
+            rows.append(Row(item, f"none: --accelerator {accelerator}", "ok"))
+    elif gpus is None:
+        found = f"no GPU requested (0 per node) for {tasks} task(s) per node and --accelerator {accelerator}"
+        fix = f"add '#SBATCH --gpus-per-node={tasks}' (one GPU per task); a commented '##SBATCH' line is not read"
+        rows.append(Row(item, found, "fail", fix))
+    elif gpus != tasks:
+        found = f"{gpus:g} per node ({job['gpu_request']}) for {tasks} task(s) per node (--ntasks-per-node={tasks})"
+        fix = (
+            f"one task per GPU: '#SBATCH --gpus-per-node={tasks}', or --ntasks-per-node={gpus:g} and --devices {gpus:g}"
+        )
+        rows.append(Row(item, found, "fail", fix))
+    else:
+        rows.append(Row(item, f"{gpus} per node ({job['gpu_request']}), one per task", "ok"))
     return rows
 
 

@@ -269,8 +269,9 @@ def _debug_skip_sync(config: SGDTPConfig) -> str | None:
 
 
 def _tensor_plan(config: SGDTPConfig, tp: int, module: nn.Module, device_type: str) -> TensorPlan:
-    # Sequence parallel by default where its collectives are cheap: NCCL's reduce-scatter; gloo's is an all-reduce.
-    sequence = config.sequence_parallel if config.sequence_parallel is not None else device_type == "cuda"
+    # sequence_parallel=None is off on every device: gloo runs its reduce-scatter as a full all-reduce, and NCCL, where
+    # it would pay, has never run it (docs/hardware.md). Only sequence_parallel=True turns it on.
+    sequence = config.sequence_parallel is True
     try:
         plan = resolve_plan(module, config.tp_plan, tp) if config.tp_plan else auto_plan(module, tp, sequence)
     except TensorPlanError as exc:
@@ -283,10 +284,20 @@ def _tensor_plan(config: SGDTPConfig, tp: int, module: nn.Module, device_type: s
     if config.sharded:
         keep_embeddings_whole(module, plan)
     if config.sequence_parallel is None and not config.tp_plan:
-        why = plan.sequence_reason or "off"
-        plan.sequence_reason = f"{why} (sequence_parallel=None: on with CUDA devices, off on CPU)"
+        plan.sequence_reason = f"off ({_sequence_default_reason(device_type)})"
     plan.coverage = coverage(module, plan)  # what the final plan divides, counted before the split
     return plan
+
+
+def _sequence_default_reason(device_type: str) -> str:
+    """Why ``sequence_parallel=None`` left sequence parallel off on ``device_type`` (the plan's log line)."""
+    if device_type == "cuda":
+        why = "on CUDA it stays off until a GPU run of benchmarks/gpu_check.py passes (docs/hardware.md)"
+    elif device_type == "cpu":
+        why = "on CPU gloo runs a reduce-scatter as a full all-reduce"
+    else:
+        why = f"on {device_type} it has never run (docs/hardware.md)"
+    return f"sequence_parallel=None: off; {why}; pass sequence_parallel=True to turn it on"
 
 
 def _checkpointed(module: nn.Module) -> bool:

@@ -376,19 +376,14 @@ class PipelineRunner:
         if not self.names_per_stage:
             modules = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
             self._find_shared([{n for n, _ in m.named_parameters()} for m in modules])
-            # with every other name of the same tensor in the module (BERT's decoder.bias is predictions.bias), found
-            # through the module's own tensor of that name: a stage traced from whole copies of sharded parameters
-            # (sharding.whole_for_tracing) holds other tensors until it is relinked
+            # with every other name of the module's own tensor of that name (BERT's decoder.bias is predictions.bias;
+            # a stage traced from whole copies of sharded parameters holds other tensors until it is relinked)
             stored = self.module.state_dict(keep_vars=True)
             aliases: dict[int, set[str]] = {}
             for name, tensor in stored.items():
                 aliases.setdefault(id(tensor), set()).add(name)
-            self.names_per_stage = [
-                set().union(
-                    *(aliases.get(id(stored.get(n, t)), {n}) for n, t in [*m.named_parameters(), *m.named_buffers()])
-                )
-                for m in modules
-            ]
+            named = [[*m.named_parameters(), *m.named_buffers()] for m in modules]
+            self.names_per_stage = [set().union(*(aliases.get(id(stored.get(n, t)), {n}) for n, t in s)) for s in named]
         stages = []
         for index in self.stage_ids:
             stage = pipe.build_stage(index, self.device, self.group)

@@ -42,6 +42,7 @@ REL_TOL = {"tensor": 1e-2, "pipeline": 1e-3}  # fp32, as in test_tensor_parallel
 # ------------------------------------------------------------------------------------------- data parallel
 # Slow tier: resume stays in the default run through the killed-job tests below (bitwise, one checkpoint file) and,
 # sharded, through resume_tp_to_dp (a DCP folder of DTensor shards, read back on another layout).
+@pytest.mark.covers("data + sharding full", "consolidate", param="full")
 @pytest.mark.parametrize("sharding", tiered(["none", "full"], slow={"none", "full"}))
 def test_resume_ends_with_exactly_the_uninterrupted_parameters(sharding: str, tmp_path: Path) -> None:
     """Three jobs as on a cluster: 2 epochs straight; 1 epoch + checkpoint; a new job resumed from it. Replicated
@@ -109,6 +110,16 @@ def tp_result(name: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return parity_result(_TP, "tp_parity.py", name, scenario, tmp_path_factory.mktemp(name))
 
 
+@pytest.mark.covers("tensor", "resume on another layout", target="data", param="resume_tp_to_dp")
+@pytest.mark.covers(
+    "tensor", "resume on another layout", target="tensor", note="another tp_plan", param="resume_tp_to_tp"
+)
+@pytest.mark.covers("tensor", "resume on another layout", target="data + sharding full", param="resume_tp_to_sharded")
+@pytest.mark.covers("data", "resume on another layout", target="tensor", param="resume_dp_to_tp")
+@pytest.mark.covers(
+    "data", "resume on another layout", target="data + sharding optimizer", param="resume_dp_to_sharded"
+)
+@pytest.mark.covers("data + sharding full", "resume on another layout", target="data", param="resume_sharded_to_dp")
 @pytest.mark.parametrize("case", tiered(list(ON_ANOTHER_MESH), SLOW_MESH))
 def test_resume_on_another_mesh(case: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """3 steps on one layout, a checkpoint, 3 more on the other: equal to 6 uninterrupted steps in one process."""
@@ -124,6 +135,7 @@ def test_resume_on_another_mesh(case: str, tmp_path_factory: pytest.TempPathFact
         assert plan["replicated"]["model.blocks.0.attn.qkv"] == "not in tp_plan"
 
 
+@pytest.mark.covers("tensor", "consolidate")
 def test_sharded_checkpoint_folder_and_consolidation(tmp_path_factory: pytest.TempPathFactory) -> None:
     """tensor parallel writes a sharded, signed folder; `sgdtp consolidate` makes one file plain torch loads."""
     from helpers.models import small_gpt
@@ -163,6 +175,19 @@ DEVICES = {"resume_pp_sharded_to_dp4": 4}
 SLOW_STAGE = {"resume_pp_to_pp", "resume_pp_sharded_to_dp4"}
 
 
+@pytest.mark.covers("pipeline", "resume on another layout", target="data", param="resume_pp_to_dp")
+@pytest.mark.covers(
+    "pipeline", "resume on another layout", target="pipeline", note="another split", param="resume_pp_to_pp"
+)
+@pytest.mark.covers(
+    "pipeline x data",
+    "resume on another layout",
+    target="data",
+    note="sharding='full'; data on 4 ranks",
+    param="resume_pp_sharded_to_dp4",
+)
+@pytest.mark.covers("pipeline", "consolidate", param="resume_pp_to_dp")
+@pytest.mark.covers("pipeline x data", "consolidate", note="sharding='full'", param="resume_pp_sharded_to_dp4")
 @pytest.mark.parametrize("case", tiered(list(PER_STAGE), SLOW_STAGE))
 def test_checkpoint_per_stage_resume_and_consolidate(case: str, tmp_path: Path) -> None:
     """3 steps, a sharded checkpoint (each rank its stage), resumed in a fresh module (another split, or no

@@ -54,6 +54,7 @@ def warmed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[d
     return cache, out, cold
 
 
+@pytest.mark.covers("data", "compile cache")
 def test_cold_then_warm(warmed: tuple[Path, Path, list[dict]]) -> None:
     """One compile per node, a bundle written after the first step, a later job warm from it (asserted above)."""
     cache, _, cold = warmed

@@ -96,6 +96,11 @@ def result(name: str, tmp_path_factory: pytest.TempPathFactory, case: Case | Non
     return parity_result(_RESULTS, "dp_parity.py", name, scenario, tmp_path_factory.mktemp(name), **env)
 
 
+@pytest.mark.covers("data", "gradient accumulation", param="accum_clip")
+@pytest.mark.covers("data", "gradient clipping", param="accum_clip")
+@pytest.mark.covers("data", "activation checkpointing", param="gpt")
+@pytest.mark.covers("data", "bf16-mixed", param="bf16_mixed")
+@pytest.mark.covers("data", "manual optimization", param="manual")
 @pytest.mark.parametrize("name", tiered(list(CASES), SLOW))
 def test_parity_with_ddp(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     tolerance = CASES[name].max_abs
@@ -186,6 +191,7 @@ def test_bf16_on_the_wire_halves_the_bytes(tmp_path_factory: pytest.TempPathFact
             assert b["wire_dtype"] == "bfloat16" and b["wire_bytes"] == 2 * b["numel"]
 
 
+@pytest.mark.covers("data", "activation checkpointing")
 def test_activation_checkpointing_wraps_every_block(tmp_path_factory: pytest.TempPathFactory) -> None:
     plan = result("gpt", tmp_path_factory)["info"]["plan"]
     assert plan["activation_checkpointing"] == ["model.blocks.0", "model.blocks.1"]
@@ -225,6 +231,9 @@ def test_negative_control_missed_sync_is_detected(tmp_path_factory: pytest.TempP
     assert worst > 0.1, worst  # unsynced gradients are far from the averaged ones
 
 
+@pytest.mark.covers("data", "validate")
+@pytest.mark.covers("data", "test")
+@pytest.mark.covers("data", "predict")
 def test_validate_test_predict_and_sampler(tmp_path: Path) -> None:
     run_job("dp_evaluate.py", str(tmp_path))
     info = json.loads((tmp_path / "eval.json").read_text())

@@ -152,6 +152,7 @@ def grad_error(r: dict) -> float:
     return num / sum(float(ref[k].float().norm() ** 2) for k in ref) ** 0.5
 
 
+@pytest.mark.covers("data + sharding full", "gradient accumulation", param="phi_sharded_accumulate")
 @pytest.mark.parametrize("name", tiered(list(CELLS), SLOW))
 def test_zoo_model_trains_like_one_process(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     r = result(name, tmp_path_factory, CELLS[name])

@@ -127,6 +127,12 @@ def result(name: str, tmp_path_factory: pytest.TempPathFactory, case: Case | Non
     return parity_result(_RESULTS, "pp_parity.py", name, scenario, out, ("info", "ref_metrics"), **env)
 
 
+@pytest.mark.covers("pipeline", "gradient accumulation", param="1f1b_accumulate_clip")
+@pytest.mark.covers("pipeline", "gradient clipping", param="1f1b_accumulate_clip")
+@pytest.mark.covers("pipeline", "activation checkpointing", param="options_dict_ckpt_measured")
+@pytest.mark.covers("pipeline", "bf16-mixed", param="1f1b_bf16")
+@pytest.mark.covers("pipeline x data", "gradient clipping", param="pp2_dp2_sharded_full", note="sharding='full'")
+@pytest.mark.covers("pipeline x data", "gradient clipping", param="pp2_dp2_1f1b")
 @pytest.mark.parametrize("name", tiered(list(CASES), SLOW))
 def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     case = CASES[name]
@@ -151,6 +157,9 @@ def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFac
         assert norm > 0.3 * 2, norm  # clipping (gradient_clip_val=0.3) really acted, on the global norm
 
 
+@pytest.mark.covers("pipeline", "validate", param="1f1b_2x4")
+@pytest.mark.covers("pipeline x data", "validate", param="pp2_dp2_sharded_full", note="sharding='full'")
+@pytest.mark.covers("pipeline x data", "validate", param="pp2_dp2_1f1b")
 @pytest.mark.parametrize("name", tiered(list(CASES), SLOW))
 def test_every_rank_logs_what_the_reference_logs(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     case = CASES[name]
@@ -199,6 +208,7 @@ def test_interleaved_schedule_places_two_stages_on_each_rank(tmp_path_factory: p
 
 
 @pytest.mark.slow
+@pytest.mark.covers("pipeline", "activation checkpointing")
 def test_the_options_dict_with_measured_balance_and_checkpointing(tmp_path_factory: pytest.TempPathFactory) -> None:
     plan = result("options_dict_ckpt_measured", tmp_path_factory)["info"]["plans"][0]
     pipeline, split = plan["pipeline"], plan["pipeline"]["split"]

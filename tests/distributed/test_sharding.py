@@ -91,6 +91,11 @@ def grad_error(r: dict) -> float:
     return max(float((got[k] - v).norm() / v.norm().clamp_min(1e-12)) for k, v in ref.items())
 
 
+@pytest.mark.covers("data + sharding optimizer", "gradient clipping", param="data_gpt_optimizer_clip")
+@pytest.mark.covers(
+    "data + sharding full", "gradient clipping", param="data_gpt_hybrid_shard", note="shard_size=2, 4 ranks"
+)
+@pytest.mark.covers("data + sharding full", "gradient accumulation", param="data_gpt_full_accum")
 @pytest.mark.parametrize("name", tiered(list(CASES), SLOW))
 def test_sharded_training_matches_one_process(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     scenario = CASES[name]

@@ -103,6 +103,10 @@ def result(name: str, tmp_path_factory: pytest.TempPathFactory, case: Case | Non
     return parity_result(_RESULTS, "tp_parity.py", name, scenario, tmp_path_factory.mktemp(name), **env)
 
 
+@pytest.mark.covers("tensor", "gradient clipping", param="tensor_gpt_clip")
+@pytest.mark.covers("tensor", "bf16-mixed", param="tensor_llama_bf16")
+@pytest.mark.covers("hybrid", "gradient clipping", param="hybrid_mha_clip")
+@pytest.mark.covers("hybrid", "gradient accumulation", param="hybrid_mha_clip")
 @pytest.mark.parametrize("name", tiered(list(CASES), SLOW))
 def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     case = CASES[name]
@@ -141,6 +145,7 @@ def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFac
         assert plan["bytes_per_step"]["total"] == 0  # no gradient all-reduce at dp=1
 
 
+@pytest.mark.covers("hybrid", "validate")
 def test_validation_runs_through_the_split_model(tmp_path_factory: pytest.TempPathFactory) -> None:
     r = result("hybrid_gpt", tmp_path_factory)
     plan = r["info"]["plans"][0]["tensor_parallel_plan"]

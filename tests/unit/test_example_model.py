@@ -100,3 +100,13 @@ def test_short_cpu_training_run(tmp_path) -> None:
 
     preds = trainer.predict(module, datamodule=dm)
     assert preds[0].shape == (8, TINY.block_size) and preds[0].dtype == torch.long
+
+
+def test_precision_defaults_to_bf16_mixed_on_gpus_only() -> None:
+    from train_gpt import parse_args
+
+    assert parse_args([]).precision == "32-true"  # the CPU job the README measured, unchanged
+    assert parse_args(["--accelerator", "gpu"]).precision == "bf16-mixed"
+    assert parse_args(["--accelerator", "cuda"]).precision == "bf16-mixed"
+    assert parse_args(["--accelerator", "auto"]).precision == ("bf16-mixed" if torch.cuda.is_available() else "32-true")
+    assert parse_args(["--accelerator", "gpu", "--precision", "32-true"]).precision == "32-true"

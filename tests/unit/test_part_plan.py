@@ -100,6 +100,27 @@ def test_the_plan_is_pure_data_and_leaves_the_module_alone() -> None:
     assert plan.to_dict()["sharding"] == "full" and plan.lock_compiles is None  # each rank its own row of groups
 
 
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_sequence_parallel_is_off_by_default_on_every_device_and_the_plan_says_why(device_type: str) -> None:
+    from gpt import GPT, GPTConfig
+
+    def gpt() -> GPT:
+        return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=48))
+
+    default = SGDTPConfig(parallelism="tensor", tensor_parallel_size=2)
+    plan = plan_part(default, dims(default), gpt(), device_type=device_type).tensor_plan
+    assert plan is not None and not plan.sequence_blocks and "sequence" not in plan.styles.values()
+    assert plan.sequence_reason.startswith("off (sequence_parallel=None: off; on ")
+    assert plan.sequence_reason.endswith("; pass sequence_parallel=True to turn it on)")
+    why = {"cpu": "gloo runs a reduce-scatter as a full all-reduce", "cuda": "until a GPU run of benchmarks/gpu_check"}
+    assert why[device_type] in plan.sequence_reason
+    assert f"  sequence parallel: {plan.sequence_reason}" in plan.describe()  # the rank-0 log line
+    # Explicitly asked for: on, on either device (the CUDA run of it is what benchmarks/gpu_check.py checks).
+    asked = SGDTPConfig(parallelism="tensor", tensor_parallel_size=2, sequence_parallel=True)
+    on = plan_part(asked, dims(asked), gpt(), device_type=device_type).tensor_plan
+    assert on is not None and on.sequence_blocks == ["blocks.0", "blocks.1"] and on.sequence_reason.startswith("on: ")
+
+
 def test_data_parallel_plans_the_compile_and_the_sync_only() -> None:
     config = SGDTPConfig(activation_checkpointing=True)
     plan = plan_part(config, dims(config), Net())
