@@ -7,8 +7,8 @@
 No GPU has run this project yet (docs/hardware.md): every CUDA path below runs here for the first time. Each part is
 one training run, in its own subprocess with a hard timeout, of ``examples/gpt.py``'s ``GPTLightningModule`` (the
 module users write: ``self.log`` and a torchmetrics perplexity in ``training_step``, AdamW) on
-``examples/data.py``'s corpus, the same windows in the same order in every part (``shuffle=False``), the same
-seed and the same global batch (each rank loads ``batch_size / dp``):
+``examples/data.py``'s corpus, the same windows in the same order in every part (the order Lightning's shuffling
+sampler gives), the same seed and the same global batch (each rank loads ``batch_size / dp``):
 
 - ``eager``: Lightning's own strategy (``"auto"``), no compile: the reference every parity check compares with.
 - ``sgdtp``: ``SGDTPStrategy()`` data parallel on 1 GPU, the step compiled, CUDA graphs off (Inductor's default).
