@@ -1,0 +1,174 @@
+"""The planner, part one: the memory a layout leaves on the fullest rank, predicted from the module alone.
+
+Pure: reads names, shapes and dtypes (the module may be on the meta device), starts no process, touches no device.
+A layout is plain data (:class:`Layout`: dp x tp x pp and the sharding); the prediction composes the decisions the
+strategy itself makes for that layout, so that what it predicts is what the strategy would do:
+
+- **pipeline stages** (``pp > 1``): :func:`~lightning_sgdtp.parallel.pipeline_split.plan_pipeline_split`'s split,
+  a parameter held by every stage that uses it (a tied embedding and head on two stages), as a pipeline rank holds
+  them after the other stages are released (``parallel/stage_memory.py``);
+- **tensor parallel** (``tp > 1``): :func:`~lightning_sgdtp.parallel.tensor.auto_plan`'s styles, a parameter of a
+  split module held 1/tp, the others whole (what the plan leaves replicated; with sharding, embeddings too);
+- **sharding** (``"full"`` / ``"optimizer"``): every parameter split over dp along
+  :func:`~lightning_sgdtp.parallel.sharding.shard_dim` (whole where no dimension divides), as its gradient and its
+  optimizer state; ``"full"`` also gathers one block at a time inside the step (the largest block, whole over dp).
+
+What it does not predict yet: activations (they need a traced step), the pipeline's micro-batches in flight and
+allocator overhead. Its parameter bytes are checked against what every rank held after ``fit`` in the support
+matrix runs (``docs/model-support.json``; ``tests/unit/test_planner_memory.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+SHARDINGS = ("none", "optimizer", "full")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot exist (a size below 1, an unknown sharding, sharding without data parallel)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks divide the model: ``dp`` replicas (or shards) x ``tp`` tensor-parallel ranks x ``pp`` stages."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sharding: str = "none"
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"{name}={value!r} must be an integer >= 1 (the number of ranks in that dimension)")
+        if self.sharding not in SHARDINGS:
+            raise LayoutError(f"sharding={self.sharding!r} is not known: one of {list(SHARDINGS)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def describe(self) -> str:
+        parts = [f"dp {self.dp}"] + [f"tp {self.tp}"] * (self.tp > 1) + [f"pp {self.pp}"] * (self.pp > 1)
+        return " x ".join(parts) + (f", sharding={self.sharding}" if self.sharding != "none" else "")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes on the fullest rank: parameters, gradients, optimizer state (``optimizer_states`` tensors per
+    parameter: 2 for Adam / AdamW), and the block ``sharding="full"`` gathers at a time."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    gathered: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.gathered
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "gathered": self.gathered,
+            "total": self.total,
+        }
+
+
+def _tp_split(module: nn.Module, layout: Layout) -> set[int]:
+    """Ids of the parameters the automatic tensor plan splits over the ``tp`` ranks (with sharding, embeddings and a
+    head tied to one stay whole over tp, as the strategy keeps them: ``sharding.keep_embeddings_whole``)."""
+    if layout.tp == 1:
+        return set()
+    from lightning_sgdtp.parallel.sharding import keep_embeddings_whole
+    from lightning_sgdtp.parallel.tensor import SPLIT_STYLES, auto_plan
+
+    plan = auto_plan(module, layout.tp)
+    if layout.sharding != "none":
+        keep_embeddings_whole(module, plan)
+    return {
+        id(p)
+        for name, m in module.named_modules()
+        if plan.styles.get(name) in SPLIT_STYLES
+        for p in m._parameters.values()
+        if p is not None
+    }
+
+
+def _stages(module: nn.Module, pp: int) -> list[dict[int, nn.Parameter]]:
+    """The parameters each pipeline stage holds (one stage, everything, without a pipeline)."""
+    named = module.named_parameters(remove_duplicate=False)
+    if pp == 1:
+        return [{id(p): p for _, p in named}]
+    from lightning_sgdtp.parallel.pipeline_split import plan_pipeline_split
+
+    split = plan_pipeline_split(module, pp)
+    stages: list[dict[int, nn.Parameter]] = [{} for _ in range(pp)]
+    for name, p in named:
+        stages[split.stage_of(name)][id(p)] = p
+    return stages
+
+
+def _bytes_on_rank(p: nn.Parameter, layout: Layout, tp_split: set[int]) -> int:
+    from lightning_sgdtp.parallel.sharding import shard_dim
+
+    size = p.numel() * p.element_size()
+    shape = list(p.shape)
+    if id(p) in tp_split and shape:  # the tensor-parallel shard (its exact dimension is the style's)
+        size, shape[0] = math.ceil(size / layout.tp), math.ceil(shape[0] / layout.tp)
+    if layout.sharding != "none" and shard_dim(tuple(shape), layout.dp) is not None:
+        size = math.ceil(size / layout.dp)
+    return size
+
+
+def _largest_block(module: nn.Module, layout: Layout, tp_split: set[int]) -> int:
+    """The block ``sharding="full"`` gathers whole over dp (its tensor-parallel shard), the largest one."""
+    from lightning_sgdtp.parallel.checkpointing import find_block_stack
+
+    found = find_block_stack(module)
+    if found is None:
+        return 0
+    whole = Layout(tp=layout.tp)
+    return max(
+        (sum(_bytes_on_rank(p, whole, tp_split) for p in block.parameters()) for block in found[1].children()),
+        default=0,
+    )
+
+
+def predict_memory(module: nn.Module, layout: Layout, optimizer_states: int = 2) -> RankMemory:
+    """Bytes on the fullest rank of ``layout`` for ``module``: its parameters, their gradients, ``optimizer_states``
+    tensors of optimizer state per parameter (2: Adam, AdamW; 1: SGD with momentum; 0: plain SGD), and under
+    ``sharding="full"`` the largest block gathered. Activations are not counted (see the module docstring)."""
+    if layout.sharding != "none" and layout.dp == 1:
+        raise LayoutError(f"sharding={layout.sharding!r} splits over the data-parallel ranks, and dp=1 has none")
+    tp_split = _tp_split(module, layout)
+    fullest = max(
+        sum(_bytes_on_rank(p, layout, tp_split) for p in stage.values()) for stage in _stages(module, layout.pp)
+    )
+    trainable = fullest  # frozen parameters are rare in the layouts planned; counted as trainable
+    gathered = _largest_block(module, layout, tp_split) if layout.sharding == "full" else 0
+    return RankMemory(fullest, trainable, optimizer_states * trainable, gathered)
+
+
+def parameter_fraction(module: nn.Module, layout: Layout) -> float:
+    """The share of the model's parameter bytes the fullest rank holds (a tied parameter counted once in the
+    whole), the figure the support matrix measures after ``fit`` as ``holds``."""
+    whole = sum(p.numel() * p.element_size() for p in module.parameters())
+    return predict_memory(module, layout).parameters / max(whole, 1)
+
+
+def table(module: nn.Module, layouts: list[Layout], optimizer_states: int = 2) -> list[dict[str, Any]]:
+    """One row per layout: its description and predicted bytes on the fullest rank, smallest total first."""
+    rows = [
+        {"layout": layout.describe(), **predict_memory(module, layout, optimizer_states).to_dict()}
+        for layout in layouts
+    ]
+    return sorted(rows, key=lambda r: r["total"])
