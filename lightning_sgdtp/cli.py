@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -50,6 +51,27 @@ def load_factory(target: str) -> Callable[[], Any]:
             f"{spec} has no callable {name!r} (TARGET is path/to/file.py:factory or package.module:factory)"
         )
     return factory
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from lightning_sgdtp.planner.search import PlannerInputError, plan_memory
+
+    try:
+        factory = load_factory(args.target)
+        with torch.device("meta"):  # the model's shapes only: no memory, whatever its size
+            try:
+                module = factory()
+            except Exception as e:
+                raise TargetError(f"{args.target}() failed: {type(e).__name__}: {e} (it must take no argument)") from e
+        world = args.nodes * args.gpus_per_node
+        result = plan_memory(module, world, args.gpus_per_node, args.gpu_memory, args.optimizer_states)
+    except (TargetError, PlannerInputError) as e:
+        print(f"sgdtp plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=1) if args.json else "\n".join(result.describe()))
+    return 0
 
 
 def _is_drive(target: str) -> bool:  # C:\path\file.py on Windows
@@ -141,6 +163,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doc.set_defaults(run=_doctor)
 
+    plan = commands.add_parser(
+        "plan",
+        help="the layouts a model could train with on N nodes x G devices, and the memory each leaves on a rank",
+        description=(
+            "Builds the model on the meta device (no memory, no process group, no GPU) and predicts, for every"
+            " dp x tp x pp x sharding the strategy can build, the parameters, gradients, optimizer state and gathered"
+            " block on the fullest rank (docs/planner.md). Step time is not predicted yet."
+        ),
+    )
+    plan.add_argument("target", help="path/to/file.py:factory or package.module:factory; factory() returns the module")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default 8)")
+    plan.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GB: marks the layouts that fit")
+    plan.add_argument("--optimizer-states", type=int, default=2, help="state tensors per parameter (AdamW: 2)")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    plan.set_defaults(run=_plan)
+
     sign = _folder_command(commands, "sign", _sign)
     sign.add_argument("--gpg-key", default=None, help="sign with gpg: key id, fingerprint or email")
     sign.add_argument("--gnupg-home", default=None, help="gpg's home directory (default: gpg's own)")
@@ -195,8 +234,6 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    import json
-
     from lightning_sgdtp import doctor
 
     env = json.loads(args.env.read_text()) if args.env else doctor.probe()
