@@ -38,7 +38,17 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 
-from harness import QUIET_TRAINER, cpu_busy, fmt, frames_compiled, free_port, git_commit, median_ms, run_reaped, version
+from harness import (
+    QUIET_TRAINER,
+    cpu_busy,
+    fmt,
+    frames_compiled,
+    git_commit,
+    median_ms,
+    run_reaped,
+    version,
+    worker_env,
+)
 
 # variant -> (strategy kind, torch.compile the LightningModule's inner network (default Inductor), SGDTPStrategy kwargs).
 # sgdtp gets the plain module: the strategy compiles the training step itself (and refuses a compiled module).
@@ -373,14 +383,7 @@ def _run_worker(
 ) -> dict[str, Any]:
     out = tmp / f"{tag}.json"
     log = tmp / f"{tag}.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
-    )
+    env = worker_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(SCRIPT), "--worker", workload, variant, "--out", str(out)]
     cmd += ["--steps", str(steps), "--warmup", str(warmup), "--phases", ",".join(phases)]
     if profile_to is not None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import statistics
@@ -39,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from harness import QUIET_TRAINER, free_port, git_commit, run_reaped, version
+from harness import QUIET_TRAINER, git_commit, run_reaped, version, worker_env
 
 VARIANTS = ("fsdp2", "fsdp2+compile", "sgdtp(full)", "sgdtp(optimizer)", "sgdtp(replicated)")
 BATCH = 8
@@ -140,9 +139,7 @@ def _worker(variant: str, steps: int, warmup: int, out: Path) -> None:
 # ------------------------------------------------------------------------------------------------ driver
 def _run(variant: str, steps: int, warmup: int, tmp: Path, tag: str, timeout: float) -> list[dict[str, Any]]:
     out = tmp / f"{tag}.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env = worker_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(SCRIPT), "--worker", variant, "--steps", str(steps), "--warmup", str(warmup)]
     cmd += ["--out", str(out)]
     log = tmp / f"{tag}.log"

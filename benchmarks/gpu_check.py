@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -56,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 RESULTS = REPO / "benchmarks" / "results"
 
-from harness import QUIET_TRAINER, free_port, git_commit, run_reaped, version
+from harness import QUIET_TRAINER, git_commit, run_reaped, version, worker_env
 
 SEED = 1234
 #: The options that shape the measurement, copied into the results file.
@@ -275,12 +274,7 @@ def _skip_reason(part: Part, args: argparse.Namespace, cuda: bool, gpus: int) ->
 def _run_part(part: Part, args: argparse.Namespace, logs: Path, timeout: float) -> dict[str, Any]:
     out = logs / f"{part.name}.json"
     log = logs / f"{part.name}.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
-    )
+    env = worker_env()
     if part.cudagraphs:  # on, and Inductor's reasons for each graph it does not capture logged
         env.update(TORCHINDUCTOR_CUDAGRAPHS="1", TORCH_LOGS="cudagraphs")
     cmd = [sys.executable, str(SCRIPT), "--worker", part.name, "--out", str(out)]

@@ -44,6 +44,21 @@ def run_reaped(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, timeou
     return rc
 
 
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment of a benchmark's worker job: this one without another job's rank variables, a fresh
+    127.0.0.1 rendezvous, the checkout on ``PYTHONPATH``, then ``extra``."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
+    )
+    env.update(extra)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

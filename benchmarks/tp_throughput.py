@@ -44,7 +44,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 
-from harness import QUIET_TRAINER, cpu_busy, fmt, frames_compiled, free_port, git_commit, median_ms, version
+from harness import QUIET_TRAINER, cpu_busy, fmt, frames_compiled, git_commit, median_ms, version, worker_env
 
 DEVICES = 4
 DP, TP = 2, 2
@@ -252,14 +252,7 @@ def _others_busy(windows: list[list[tuple[float, float, tuple[int, int]]]]) -> f
 def _run_worker(contender: str, args: argparse.Namespace, tmp: Path, round_tag: str) -> dict[str, Any]:
     tag = round_tag + "-" + contender.replace("(", "-").replace(")", "")
     out, log = tmp / f"{tag}.json", tmp / f"{tag}.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
-    )
+    env = worker_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(SCRIPT), "--worker", contender, "--out", str(out)]
     for flag in ("steps", "warmup", "n_layer", "n_head", "n_embd", "batch_size", "seq"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
