@@ -466,12 +466,17 @@ def _cut_inside(
     return best
 
 
-def _held(module: nn.Module, split: PipelineSplit) -> list[int]:
-    """Parameters each stage holds: a tensor used on two stages (a tied embedding and head) counts on both."""
-    held: list[dict[int, int]] = [{} for _ in range(split.stages)]
+def stage_parameters(module: nn.Module, split: PipelineSplit) -> list[dict[int, nn.Parameter]]:
+    """The parameters each stage holds, by id: a tensor used on two stages (a tied embedding and head) is on both."""
+    stages: list[dict[int, nn.Parameter]] = [{} for _ in range(split.stages)]
     for name, p in module.named_parameters(remove_duplicate=False):
-        held[split.stage_of(name)][id(p)] = p.numel()
-    return [sum(stage.values()) for stage in held]
+        stages[split.stage_of(name)][id(p)] = p
+    return stages
+
+
+def _held(module: nn.Module, split: PipelineSplit) -> list[int]:
+    """Parameters each stage holds (:func:`stage_parameters`), counted."""
+    return [sum(p.numel() for p in stage.values()) for stage in stage_parameters(module, split)]
 
 
 def _split_along(

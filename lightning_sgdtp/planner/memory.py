@@ -105,16 +105,11 @@ def _tp_split(module: nn.Module, layout: Layout) -> set[int]:
 
 def _stages(module: nn.Module, pp: int) -> list[dict[int, nn.Parameter]]:
     """The parameters each pipeline stage holds (one stage, everything, without a pipeline)."""
-    named = module.named_parameters(remove_duplicate=False)
     if pp == 1:
-        return [{id(p): p for _, p in named}]
-    from lightning_sgdtp.parallel.pipeline_split import plan_pipeline_split
+        return [{id(p): p for p in module.parameters()}]
+    from lightning_sgdtp.parallel.pipeline_split import plan_pipeline_split, stage_parameters
 
-    split = plan_pipeline_split(module, pp)
-    stages: list[dict[int, nn.Parameter]] = [{} for _ in range(pp)]
-    for name, p in named:
-        stages[split.stage_of(name)][id(p)] = p
-    return stages
+    return stage_parameters(module, plan_pipeline_split(module, pp))
 
 
 def _bytes_on_rank(p: nn.Parameter, layout: Layout, tp_split: set[int]) -> int:
@@ -153,9 +148,9 @@ def predict_memory(module: nn.Module, layout: Layout, optimizer_states: int = 2)
     fullest = max(
         sum(_bytes_on_rank(p, layout, tp_split) for p in stage.values()) for stage in _stages(module, layout.pp)
     )
-    trainable = fullest  # frozen parameters are rare in the layouts planned; counted as trainable
     gathered = _largest_block(module, layout, tp_split) if layout.sharding == "full" else 0
-    return RankMemory(fullest, trainable, optimizer_states * trainable, gathered)
+    # every parameter counted as trainable (a gradient and optimizer state each): frozen ones are not told apart yet
+    return RankMemory(fullest, fullest, optimizer_states * fullest, gathered)
 
 
 def parameter_fraction(module: nn.Module, layout: Layout) -> float:
