@@ -447,6 +447,7 @@ def _cut_inside(
     layers = {name: [_join(name, n) for n in _layer_sequence(block)] for name, block in blocks}
     expanded = {name for name, names in layers.items() if names}
     best: PipelineSplit | None = None
+    bound = (1.0 - INSIDE_GAIN) * max(_held(module, whole)) if expanded else 0.0
     while expanded:
         units = [
             unit
@@ -454,7 +455,7 @@ def _cut_inside(
             for unit in ([(n, module.get_submodule(n)) for n in layers[name]] if name in expanded else [(name, block)])
         ]
         split = _split_along(module, stages, units, stack_name, None, None)
-        if max(_held(module, split)) > (1.0 - INSIDE_GAIN) * max(_held(module, whole)):
+        if max(_held(module, split)) > bound:
             return best
         # an expanded block whose layers all landed on one stage is named whole again, and the split redone
         whole_again = {b for b in expanded if len({split.stage_of(n) for n in layers[b]}) == 1}
