@@ -53,24 +53,76 @@ def load_factory(target: str) -> Callable[[], Any]:
     return factory
 
 
+def _plan_hardware(args: argparse.Namespace) -> tuple[Any, int]:
+    """The hardware of ``sgdtp plan`` (``--hardware``, ``--gpu-memory``, ``--topology``) and devices per node."""
+    import dataclasses
+
+    from lightning_sgdtp.planner.cost import HARDWARE, PCIE
+    from lightning_sgdtp.planner.search import PlannerInputError, parse_memory
+    from lightning_sgdtp.topology import Topology, TopologyError
+
+    hardware = HARDWARE[args.hardware]
+    if args.gpu_memory is not None:
+        hardware = dataclasses.replace(hardware, memory_bytes=parse_memory(args.gpu_memory))
+    per_node = args.gpus_per_node
+    if args.topology is not None:
+        try:
+            topology = Topology.from_nvidia_smi(Path(args.topology).read_text(), args.nodes)
+        except (OSError, UnicodeDecodeError, TopologyError) as e:
+            raise PlannerInputError(
+                f"--topology {args.topology}: {e}. Give the output of `nvidia-smi topo -m` on one node, saved as"
+                " text (examples: tests/data/topology/)."
+            ) from e
+        if per_node is not None and per_node != topology.devices_per_node:
+            raise PlannerInputError(
+                f"--gpus-per-node {per_node} but the topology file has {topology.devices_per_node} GPUs: drop"
+                " --gpus-per-node or record the topology of the nodes you plan for"
+            )
+        per_node = topology.devices_per_node
+        island = topology.auto_tp_size() if topology.has_nvlink() else 1
+        node_link = hardware.node_link if island == per_node else PCIE
+        hardware = dataclasses.replace(
+            hardware, island=island, node_link=node_link, name=f"{hardware.name}, {topology.describe()}"
+        )
+    return hardware, per_node or 8
+
+
 def _plan(args: argparse.Namespace) -> int:
     import torch
 
-    from lightning_sgdtp.planner.search import PlannerInputError, plan_memory
+    from lightning_sgdtp.planner.cost import profile
+    from lightning_sgdtp.planner.search import FIXABLE, PlannerInputError, plan
+    from lightning_sgdtp.planner.shapes import SHAPES, build
 
     try:
-        factory = load_factory(args.target)
-        with torch.device("meta"):  # the model's shapes only: no memory, whatever its size
-            try:
-                module = factory()
-            except Exception as e:
-                raise TargetError(f"{args.target}() failed: {type(e).__name__}: {e} (it must take no argument)") from e
-        world = args.nodes * args.gpus_per_node
-        result = plan_memory(module, world, args.gpus_per_node, args.gpu_memory, args.optimizer_states)
-    except (TargetError, PlannerInputError) as e:
+        hardware, per_node = _plan_hardware(args)
+        fixed: dict[str, Any] = {}
+        for item in args.fix:
+            key, _, value = item.partition("=")
+            if key not in FIXABLE or not value:
+                raise PlannerInputError(f"--fix {item!r}: give NAME=VALUE with NAME one of {list(FIXABLE)}")
+            fixed[key] = value if key == "sharding" else value == "true" if key == "checkpointing" else int(value)
+        shape = SHAPES.get(args.target)
+        if shape is not None:
+            module = build(args.target)
+        else:
+            factory = load_factory(args.target)
+            with torch.device("meta"):  # the model's shapes only: no memory, whatever its size
+                try:
+                    module = factory()
+                except Exception as e:
+                    raise TargetError(
+                        f"{args.target}() failed: {type(e).__name__}: {e} (it must take no argument)"
+                    ) from e
+        tokens = args.seq_len or (shape.tokens if shape else 1)
+        batch = args.batch or (shape.batch if shape else 1)
+        model = profile(module, tokens, batch, activation_bytes=2 if args.precision.startswith(("bf16", "16")) else 4)
+        world = args.nodes * per_node
+        result = plan(module, model, hardware, world, per_node, None, args.optimizer_states, fixed, args.global_batch)
+    except (TargetError, PlannerInputError, ValueError) as e:
         print(f"sgdtp plan: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result.to_dict(), indent=1) if args.json else "\n".join(result.describe()))
+    print(json.dumps(result.to_dict(), indent=1) if args.json else "\n".join(result.describe(args.rows)))
     return 0
 
 
@@ -165,17 +217,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser(
         "plan",
-        help="the layouts a model could train with on N nodes x G devices, and the memory each leaves on a rank",
+        help="the layout a model should train with on N nodes x G GPUs: predicted step time and memory per layout",
         description=(
             "Builds the model on the meta device (no memory, no process group, no GPU) and predicts, for every"
-            " dp x tp x pp x sharding the strategy can build, the parameters, gradients, optimizer state and gathered"
-            " block on the fullest rank (docs/planner.md). Step time is not predicted yet."
+            " dp x tp x pp x sharding (and checkpointing, micro-batches, hybrid sharding), the step time and the"
+            " memory on the fullest rank; prints the fastest that fits first (docs/planner.md)."
         ),
     )
-    plan.add_argument("target", help="path/to/file.py:factory or package.module:factory; factory() returns the module")
+    plan.add_argument(
+        "target",
+        help="a named shape (llama3-8b, llama3-70b, llama3-405b) or path/to/file.py:factory or"
+        " package.module:factory; factory() returns the module",
+    )
     plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    plan.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default 8)")
-    plan.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GB: marks the layouts that fit")
+    plan.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default 8, or the topology's)")
+    plan.add_argument("--hardware", choices=["h100", "a100"], default="h100", help="the GPU's given figures")
+    plan.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GB (default: the hardware's)")
+    plan.add_argument("--topology", default=None, help="`nvidia-smi topo -m` of one node, saved as text")
+    plan.add_argument("--seq-len", type=int, default=None, help="tokens per sample (named shapes: 8192)")
+    plan.add_argument("--batch", type=int, default=None, help="samples per data-parallel replica per step")
+    plan.add_argument("--global-batch", type=int, default=None, help="samples per step over all replicas, fixed")
+    plan.add_argument(
+        "--precision", default="bf16-mixed", help="Trainer precision (activation size; default bf16-mixed)"
+    )
+    plan.add_argument("--fix", action="append", default=[], help="NAME=VALUE kept fixed (tp=8, sharding=full, ...)")
+    plan.add_argument("--rows", type=int, default=12, help="layouts printed (default 12)")
     plan.add_argument("--optimizer-states", type=int, default=2, help="state tensors per parameter (AdamW: 2)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
     plan.set_defaults(run=_plan)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from lightning_sgdtp.parallel.schedules import SCHEDULES, check_chunks, default_micro_batches, pipeline_stages
 
-PARALLELISMS = ("data", "tensor", "hybrid")
+PARALLELISMS = ("data", "tensor", "hybrid", "auto")
 TP_STYLES = ("colwise", "rowwise", "colwise_gather", "replicate")
 GRAD_COMM_DTYPES = {"fp32": None, "float32": None, "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
@@ -45,7 +45,10 @@ class SGDTPConfig:
     Args:
         parallelism: ``"data"`` (every rank a replica), ``"tensor"`` (every rank holds a slice of each split layer:
             one tensor-parallel group of all ranks) or ``"hybrid"`` (a 2-D mesh: data parallel across groups of
-            ``tensor_parallel_size`` ranks). See ``docs/tensor-parallel.md``.
+            ``tensor_parallel_size`` ranks). See ``docs/tensor-parallel.md``. ``"auto"``: the planner chooses the
+            layout at setup (data, tensor, hybrid or pipeline parallel, sharding, checkpointing, micro-batches) from
+            the model, the memory and the measured links, the fastest predicted per sample that fits; the layout
+            options you set stay fixed and it plans the rest. See ``docs/planner.md``.
         bucket_cap_mb: ``"auto"`` (default): bucket boundaries chosen per backward graph by a cost model measured at
             setup (all-reduce latency and bandwidth on the data-parallel group, compute and memory throughput)
             over the order in which backward produces the gradients; see ``docs/speed.md``. A number: an upper
@@ -116,6 +119,10 @@ class SGDTPConfig:
         profile_steps: ``(first, last)``: record optimizer steps ``first`` .. ``last`` (inclusive) with
             torch.profiler on every rank and write a timeline (a trace per rank for Perfetto / Chrome, and one HTML
             page of a step) into ``sgdtp_timeline/`` next to the logs. See ``docs/speed.md``.
+        max_memory_per_rank: with ``parallelism="auto"``: the memory a rank may use, with a unit (``"300MB"``,
+            ``"80GB"``, ``"1.5GiB"``); default: the device's memory on GPUs, none on CPU. Only layouts predicted to
+            fit (parameters, gradients, optimizer state, the gathered block, activations) are chosen; if none fits,
+            setup fails naming the smallest layout and its predicted memory.
         debug_skip_sync: a negative control, for tests: ``"dp-sync"`` (no data-parallel gradient averaging at all)
             or ``"reduce-scatter"`` (the sharded parameters' gradients not reduced; the compile-time proof must then
             fail). Training is wrong on purpose: it acts only with ``SGDTP_DEBUG_OPTIONS=1`` in the environment (the
@@ -123,7 +130,7 @@ class SGDTPConfig:
             ``docs/options.md``.
     """
 
-    parallelism: Literal["data", "tensor", "hybrid"] = "data"
+    parallelism: Literal["data", "tensor", "hybrid", "auto"] = "data"
     bucket_cap_mb: float | str = "auto"
     grad_comm_dtype: str | None = None
     overlap: bool = True
@@ -150,6 +157,7 @@ class SGDTPConfig:
     sharding: str = "none"
     param_gather_dtype: str | None = None
     shard_size: int | str | None = None
+    max_memory_per_rank: str | int | None = None
     debug_skip_sync: str | None = None
 
     def __post_init__(self) -> None:
@@ -160,6 +168,7 @@ class SGDTPConfig:
             )
         self._check_pipeline()
         self._check_tensor_parallel()
+        self._check_auto()
         cap = self.bucket_cap_mb
         if cap != "auto" and (isinstance(cap, bool) or not isinstance(cap, (int, float))):
             raise SGDTPConfigError(
@@ -218,6 +227,26 @@ class SGDTPConfig:
                 " file."
             )
 
+    @property
+    def planned(self) -> bool:
+        """The planner chooses the layout at setup (``parallelism="auto"``)."""
+        return self.parallelism == "auto"
+
+    def _check_auto(self) -> None:
+        if self.max_memory_per_rank is None:
+            return
+        if not self.planned:
+            raise SGDTPConfigError(
+                f"max_memory_per_rank={self.max_memory_per_rank!r} is a limit for the planner: set"
+                " parallelism='auto' (it then chooses a layout that fits), or remove max_memory_per_rank."
+            )
+        from lightning_sgdtp.planner.search import PlannerInputError, parse_memory
+
+        try:
+            parse_memory(self.max_memory_per_rank)
+        except PlannerInputError as e:
+            raise SGDTPConfigError(f"max_memory_per_rank: {e}") from e
+
     def _check_profile_steps(self) -> None:
         steps = self.profile_steps
         if steps is None:
@@ -259,7 +288,7 @@ class SGDTPConfig:
                 "compile_cache with pipeline parallelism is not available yet (each micro-batch shape compiles its"
                 " stages at the first step). Remove compile_cache, or train without pipeline_stages."
             )
-        if self.parallelism != "data":
+        if self.parallelism not in ("data", "auto"):
             raise NotAvailableYetError(
                 f"pipeline parallelism with parallelism={self.parallelism!r} (3-D: pipeline x tensor x data) is not"
                 " available yet; pipeline x data parallel is. Use parallelism='data' with pipeline_stages."
@@ -323,7 +352,7 @@ class SGDTPConfig:
 
     def _check_tensor_parallel(self) -> None:
         size, plan = self.tensor_parallel_size, self.tp_plan
-        if self.parallelism != "data" and self.activation_checkpointing:
+        if self.parallelism not in ("data", "auto") and self.activation_checkpointing:
             raise NotAvailableYetError(
                 f"activation_checkpointing=True with parallelism={self.parallelism!r} is not available yet: on torch"
                 " 2.13 AOTAutograd cannot save a checkpointed region's split (DTensor) inputs (it fails at the first"
@@ -389,7 +418,7 @@ class SGDTPConfig:
                     f"shard_size={size!r} applies to sharded parameters: set sharding='full' or 'optimizer' (or"
                     " remove shard_size)."
                 )
-            if self.parallelism != "data" or self.pipelined:
+            if self.parallelism not in ("data", "auto") or self.pipelined:
                 raise NotAvailableYetError(
                     f"shard_size={size!r} (hybrid sharding) with {'pipeline stages' if self.pipelined else f'parallelism={self.parallelism!r}'}"
                     " is not available yet: it needs a 3-D mesh. Use parallelism='data' without pipeline_stages,"
@@ -452,6 +481,12 @@ class SGDTPConfig:
                 'torch.compile(backend="sgdtp") compiles one graph in one process; pipeline parallelism'
                 " (pipeline_chunks / pipeline_stages) runs stages on several ranks under a schedule. Train with"
                 " Trainer(strategy=SGDTPStrategy(options=...)) and the same options dict, or drop the pipeline options."
+            )
+        if self.planned:
+            raise SGDTPConfigError(
+                'torch.compile(backend="sgdtp") with "strategy": "auto": the planner chooses a layout over the ranks'
+                " of a job, and one compiled graph has none to choose. Train with"
+                ' Trainer(strategy=SGDTPStrategy(parallelism="auto")), or name the strategy ("data").'
             )
         if self.parallelism == "hybrid":
             raise SGDTPConfigError(

@@ -11,10 +11,12 @@ strategy itself makes for that layout, so that what it predicts is what the stra
   split module held 1/tp, the others whole (what the plan leaves replicated; with sharding, embeddings too);
 - **sharding** (``"full"`` / ``"optimizer"``): every parameter split over dp along
   :func:`~lightning_sgdtp.parallel.sharding.shard_dim` (whole where no dimension divides), as its gradient and its
-  optimizer state; ``"full"`` also gathers one block at a time inside the step (the largest block, whole over dp).
+  optimizer state; ``"full"`` also gathers one block at a time inside the step (the largest block, whole over dp),
+  ``"optimizer"`` the whole parameters once per step.
 
-What it does not predict yet: activations (they need a traced step), the pipeline's micro-batches in flight and
-allocator overhead. Its parameter bytes are checked against what every rank held after ``fit`` in the support
+Activations (and the pipeline's micro-batches in flight) depend on the batch: :func:`~lightning_sgdtp.planner.cost.
+activation_bytes` predicts them and the search adds them (``RankMemory.activations``). Not predicted: the
+allocator's overhead. Its parameter bytes are checked against what every rank held after ``fit`` in the support
 matrix runs (``docs/model-support.json``; ``tests/unit/test_planner_memory.py``).
 """
 
@@ -35,12 +37,14 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """How the ranks divide the model: ``dp`` replicas (or shards) x ``tp`` tensor-parallel ranks x ``pp`` stages."""
+    """How the ranks divide the model: ``dp`` replicas (or shards) x ``tp`` tensor-parallel ranks x ``pp`` stages;
+    with sharding, ``shard_size`` ranks a parameter is split over (hybrid sharding; None: all ``dp``)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     sharding: str = "none"
+    shard_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
@@ -49,29 +53,42 @@ class Layout:
                 raise LayoutError(f"{name}={value!r} must be an integer >= 1 (the number of ranks in that dimension)")
         if self.sharding not in SHARDINGS:
             raise LayoutError(f"sharding={self.sharding!r} is not known: one of {list(SHARDINGS)}")
+        size = self.shard_size
+        if size is not None and (self.sharding == "none" or not isinstance(size, int) or size < 1 or self.dp % size):
+            raise LayoutError(f"shard_size={size!r} needs sharding and must divide dp={self.dp}")
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks a sharded parameter is split over (1 without sharding)."""
+        return 1 if self.sharding == "none" else self.shard_size or self.dp
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
     def describe(self) -> str:
-        parts = [f"dp {self.dp}"] + [f"tp {self.tp}"] * (self.tp > 1) + [f"pp {self.pp}"] * (self.pp > 1)
-        return " x ".join(parts) + (f", sharding={self.sharding}" if self.sharding != "none" else "")
+        sizes = [f"dp {self.dp}"] + [f"tp {self.tp}"] * (self.tp > 1) + [f"pp {self.pp}"] * (self.pp > 1)
+        text = " x ".join(sizes)
+        if self.sharding != "none":
+            text += f", sharding={self.sharding}" + (f" in groups of {self.shard_size}" if self.shard_size else "")
+        return text
 
 
 @dataclass(frozen=True)
 class RankMemory:
     """Bytes on the fullest rank: parameters, gradients, optimizer state (``optimizer_states`` tensors per
-    parameter: 2 for Adam / AdamW), and the block ``sharding="full"`` gathers at a time."""
+    parameter: 2 for Adam / AdamW), the block ``sharding="full"`` gathers at a time, and the activations of a step
+    (``cost.activation_bytes``; 0 where not predicted)."""
 
     parameters: int
     gradients: int
     optimizer: int
     gathered: int = 0
+    activations: int = 0
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.gathered
+        return self.parameters + self.gradients + self.optimizer + self.gathered + self.activations
 
     def to_dict(self) -> dict[str, int]:
         return {
@@ -79,6 +96,7 @@ class RankMemory:
             "gradients": self.gradients,
             "optimizer": self.optimizer,
             "gathered": self.gathered,
+            "activations": self.activations,
             "total": self.total,
         }
 
@@ -119,8 +137,8 @@ def _bytes_on_rank(p: nn.Parameter, layout: Layout, tp_split: set[int]) -> int:
     shape = list(p.shape)
     if id(p) in tp_split and shape:  # the tensor-parallel shard (its exact dimension is the style's)
         size, shape[0] = math.ceil(size / layout.tp), math.ceil(shape[0] / layout.tp)
-    if layout.sharding != "none" and shard_dim(tuple(shape), layout.dp) is not None:
-        size = math.ceil(size / layout.dp)
+    if layout.sharding != "none" and shard_dim(tuple(shape), layout.shard_group) is not None:
+        size = math.ceil(size / layout.shard_group)
     return size
 
 
@@ -140,15 +158,24 @@ def _largest_block(module: nn.Module, layout: Layout, tp_split: set[int]) -> int
 
 def predict_memory(module: nn.Module, layout: Layout, optimizer_states: int = 2) -> RankMemory:
     """Bytes on the fullest rank of ``layout`` for ``module``: its parameters, their gradients, ``optimizer_states``
-    tensors of optimizer state per parameter (2: Adam, AdamW; 1: SGD with momentum; 0: plain SGD), and under
-    ``sharding="full"`` the largest block gathered. Activations are not counted (see the module docstring)."""
+    tensors of optimizer state per parameter (2: Adam, AdamW; 1: SGD with momentum; 0: plain SGD), and what is
+    gathered during the step: under ``sharding="full"`` the largest block, under ``"optimizer"`` the rest of the
+    parameters (they are split between steps only). Activations are not counted (see the module docstring)."""
     if layout.sharding != "none" and layout.dp == 1:
         raise LayoutError(f"sharding={layout.sharding!r} splits over the data-parallel ranks, and dp=1 has none")
     tp_split = _tp_split(module, layout)
     fullest = max(
         sum(_bytes_on_rank(p, layout, tp_split) for p in stage.values()) for stage in _stages(module, layout.pp)
     )
-    gathered = _largest_block(module, layout, tp_split) if layout.sharding == "full" else 0
+    gathered = 0
+    if layout.sharding == "full":
+        gathered = _largest_block(module, layout, tp_split)
+    elif layout.sharding == "optimizer":  # the parameters are whole during the step: the rest of them gathered
+        whole = Layout(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+        gathered = (
+            max(sum(_bytes_on_rank(p, whole, tp_split) for p in stage.values()) for stage in _stages(module, layout.pp))
+            - fullest
+        )
     # every parameter counted as trainable (a gradient and optimizer state each): frozen ones are not told apart yet
     return RankMemory(fullest, fullest, optimizer_states * fullest, gathered)
 

@@ -1,24 +1,36 @@
-"""The planner, part two: the layouts a job could use, and which of them fit a memory limit. Pure.
+"""The planner, part two: every layout a job could use, what each costs, and the fastest one that fits. Pure.
 
-:func:`candidate_layouts` lists every dp x tp x pp x sharding whose sizes multiply to the world size and that the
-strategy can build today: tensor parallel inside a node (``tp`` divides the devices of one node), at most one stage
-per block of the stack, sharding only over data-parallel ranks. Three-dimensional layouts (tensor parallel with
-pipeline stages) are not built yet (``NotAvailableYetError`` at setup); they are listed as skipped with that reason,
-so the table says why a layout is absent. :func:`plan_memory` predicts each layout's bytes on the fullest rank
-(:mod:`~lightning_sgdtp.planner.memory`) and marks those within the limit.
+:func:`candidate_layouts` lists every dp x tp x pp x sharding whose sizes multiply to the world size, with the
+reason a layout is left out: tensor parallel across nodes (``tp`` must divide the devices of one node), more stages
+than blocks, sharding without data-parallel ranks. Layouts the strategy does not build yet (tensor parallel with
+pipeline stages, 3-D) are predicted like the others and marked, so the table shows what they would give; the
+strategy never picks them.
 
-What it does not do yet: predict step time. Until the time model exists, nothing here chooses the fastest layout;
-the table is sorted by memory, and a layout that fits is only that: one that fits.
+:func:`plan` adds what the layout leaves open (activation checkpointing where it is built, the pipeline's
+micro-batches, hybrid sharding inside a node) and predicts for each: the memory on the fullest rank
+(:mod:`~lightning_sgdtp.planner.memory`, plus the activations of :mod:`~lightning_sgdtp.planner.cost`) and the
+step time (:func:`~lightning_sgdtp.planner.cost.step_time`). The layouts that fit come first, the fastest first:
+fastest per sample, because a layout's global batch is ``dp`` x the batch each rank loads (tensor-parallel and
+pipeline ranks share their samples), so fewer data-parallel ranks train on fewer samples per step. Options the
+user set stay fixed (``fixed``: ``{"tp": 2}``, ``{"sharding": "full"}``, ``{"checkpointing": False}``, ...).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
 
+from lightning_sgdtp.planner.cost import (
+    Hardware,
+    ModelProfile,
+    Schedule,
+    StepTime,
+    activation_bytes,
+    step_time,
+)
 from lightning_sgdtp.planner.memory import SHARDINGS, Layout, RankMemory, predict_memory
 
 _UNITS = {
@@ -33,6 +45,9 @@ _UNITS = {
     "TIB": 2**40,
 }
 TP_NOT_WITH_PP = "tensor parallel with pipeline stages (3-D) is not built yet"
+HSDP_NOT_WITH_TP = "hybrid sharding (shard_size) with tensor parallel or pipeline stages is not built yet"
+#: What ``fixed`` may hold: the fields of a layout and of its schedule.
+FIXABLE = ("dp", "tp", "pp", "sharding", "shard_size", "checkpointing", "micro_batches")
 
 
 class PlannerInputError(ValueError):
@@ -53,24 +68,6 @@ def parse_memory(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-@dataclass
-class Candidate:
-    """One layout of the table: its predicted memory, whether it fits, or why it was skipped."""
-
-    layout: Layout
-    memory: RankMemory | None = None
-    fits: bool | None = None
-    skipped: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"layout": self.layout.describe()}
-        if self.skipped:
-            out["skipped"] = self.skipped
-        if self.memory is not None:
-            out.update(self.memory.to_dict(), fits=self.fits)
-        return out
-
-
 def size_text(n: float) -> str:
     """Bytes in the largest binary unit that keeps the number >= 1 (``312.0 KiB``, ``1.50 GiB``)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -79,12 +76,53 @@ def size_text(n: float) -> str:
     return f"{int(n)} B"
 
 
+def time_text(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+@dataclass
+class Candidate:
+    """One row of the table: a layout and its schedule, predicted memory and time, whether it fits, and why it
+    is left out or not built (``skipped``; ``built`` False: predicted, never chosen)."""
+
+    layout: Layout
+    schedule: Schedule = field(default_factory=Schedule)
+    memory: RankMemory | None = None
+    time: StepTime | None = None
+    fits: bool | None = None
+    skipped: str | None = None
+    built: bool = True
+
+    @property
+    def choosable(self) -> bool:
+        return self.built and self.skipped is None and bool(self.fits)
+
+    def describe(self) -> str:
+        text = self.layout.describe()
+        if self.layout.pp > 1:
+            text += f", {self.schedule.micro_batches} micro-batches"
+        return text + (", checkpointing" if self.schedule.checkpointing else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layout": self.describe(), "built": self.built}
+        if self.skipped:
+            out["skipped"] = self.skipped
+        if self.memory is not None:
+            out["memory"] = self.memory.to_dict()
+            out["fits"] = self.fits
+        if self.time is not None:
+            out["step_s"] = self.time.to_dict()
+            out["seconds_per_sample"] = self.time.seconds_per_sample
+        return out
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidate_layouts(world_size: int, devices_per_node: int, blocks: int) -> list[Candidate]:
-    """Every layout of ``world_size`` ranks: the ones the strategy can build, and the skipped ones with the reason."""
+    """Every layout of ``world_size`` ranks: the ones the strategy can build, the ones it cannot yet (``built``
+    False, with the reason) and the impossible ones (``skipped``, with the reason)."""
     if world_size < 1 or devices_per_node < 1 or world_size % devices_per_node and world_size > devices_per_node:
         raise PlannerInputError(
             f"world size {world_size} with {devices_per_node} devices per node: the world size must be a multiple of"
@@ -95,87 +133,189 @@ def candidate_layouts(world_size: int, devices_per_node: int, blocks: int) -> li
         for pp in _divisors(world_size // tp):
             dp = world_size // (tp * pp)
             for sharding in SHARDINGS if dp > 1 else ("none",):
-                layout = Layout(dp=dp, tp=tp, pp=pp, sharding=sharding)
-                reason = None
+                candidate = Candidate(Layout(dp=dp, tp=tp, pp=pp, sharding=sharding))
                 if tp > 1 and devices_per_node % tp:
-                    reason = f"tensor parallel stays inside a node: tp={tp} does not divide {devices_per_node}"
+                    candidate.skipped = (
+                        f"tensor parallel stays inside a node: tp={tp} does not divide {devices_per_node}"
+                    )
                 elif pp > blocks:
-                    reason = f"pp={pp} stages for {blocks} blocks: every stage needs one"
+                    candidate.skipped = f"pp={pp} stages for {blocks} blocks: every stage needs one"
                 elif tp > 1 and pp > 1:
-                    reason = TP_NOT_WITH_PP
-                out.append(Candidate(layout, skipped=reason))
+                    candidate.skipped, candidate.built = TP_NOT_WITH_PP, False
+                out.append(candidate)
     return out
 
 
+def _schedules(layout: Layout, batch: int, devices_per_node: int) -> list[tuple[Layout, Schedule]]:
+    """What a layout leaves open: checkpointing (not with tensor parallel: NotAvailableYetError), micro-batches
+    (stages x 1, 2, 4, 8, or one sample each: whole samples, dividing the batch), hybrid sharding over one node's
+    ranks."""
+    layouts = [layout]
+    per_node = devices_per_node // layout.tp
+    if layout.sharding != "none" and 1 < per_node < layout.dp and layout.dp % per_node == 0:
+        layouts.append(replace(layout, shard_size=per_node))
+    options = {k * layout.pp for k in (1, 2, 4, 8)} | {batch}
+    chunks = sorted(m for m in options if batch % m == 0 and m >= layout.pp) or [1] if layout.pp > 1 else [1]
+    return [
+        (lay, Schedule(checkpointing=ckpt, micro_batches=m))
+        for lay in layouts
+        for ckpt in ((False, True) if layout.tp == 1 else (False,))
+        for m in chunks
+    ]
+
+
 @dataclass
-class MemoryPlan:
-    """The candidates with their predicted memory, fitting ones first (least memory first), then the rest."""
+class Plan:
+    """The table: every candidate with its prediction, the choosable ones first (fastest per sample first)."""
 
     limit: int | None
+    hardware: Hardware
+    model: ModelProfile
     candidates: list[Candidate] = field(default_factory=list)
+    global_batch: int | None = None
 
     @property
     def fitting(self) -> list[Candidate]:
-        return [c for c in self.candidates if c.fits]
+        return [c for c in self.candidates if c.choosable]
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.fitting[0] if self.fitting else None
 
     def smallest(self) -> Candidate | None:
-        built = [c for c in self.candidates if c.memory is not None]
+        built = [c for c in self.candidates if c.memory is not None and c.built]
         return min(built, key=lambda c: c.memory.total if c.memory else 0, default=None)
 
+    def why(self) -> str:
+        """Why the winner won, against the runner-up: the parts of the step that differ most."""
+        fit = self.fitting
+        if not fit:
+            return "no layout fits"
+        if len(fit) == 1:
+            return "the only layout that fits"
+        a, b = fit[0].time, fit[1].time
+        assert a is not None and b is not None
+        per_a, per_b = a.to_dict(), b.to_dict()
+        parts = [k for k in per_a if k not in ("total", "samples")]
+        diff = max(parts, key=lambda k: per_b[k] / b.samples - per_a[k] / a.samples)
+        ratio = b.seconds_per_sample / max(a.seconds_per_sample, 1e-30)
+        return f"{ratio:.2f}x faster per sample than the next, mostly {diff.replace('_', ' ')}"
+
     def to_dict(self) -> dict[str, Any]:
-        return {"limit": self.limit, "candidates": [c.to_dict() for c in self.candidates]}
+        return {
+            "limit": self.limit,
+            "hardware": self.hardware.name,
+            "model": vars(self.model),
+            "global_batch": self.global_batch,
+            "chosen": self.best.to_dict() if self.best else None,
+            "why": self.why(),
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
 
-    def describe(self) -> list[str]:
-        """One line per layout, for a terminal."""
+    def line(self, c: Candidate) -> str:
+        if c.memory is None or c.time is None:
+            return f"  {c.describe():<52} skipped: {c.skipped}"
+        mark = "fits" if c.fits else "too large"
+        mark += "" if c.built else f"; not built: {c.skipped}"
+        per = c.time.seconds_per_sample
+        return (
+            f"  {c.describe():<52} {time_text(c.time.total):>9}/step {time_text(per):>9}/sample"
+            f" {size_text(c.memory.total):>11} ({mark})"
+        )
+
+    def describe(self, rows: int | None = None) -> list[str]:
+        """The table for a terminal: the choice, why, then one line per layout (``rows`` of them)."""
         limit = f"limit {size_text(self.limit)} per rank" if self.limit else "no memory limit"
-        lines = [f"{len(self.fitting)} of {len(self.candidates)} layouts fit ({limit}); step time is not predicted yet"]
-        for c in self.candidates:
-            if c.memory is None:
-                lines.append(f"  {c.layout.describe():<32} skipped: {c.skipped}")
-                continue
-            m = c.memory
-            mark = "fits" if c.fits else "too large"
-            lines.append(
-                f"  {c.layout.describe():<32} {size_text(m.total):>12} ({mark}): parameters {size_text(m.parameters)},"
-                f" gradients {size_text(m.gradients)}, optimizer {size_text(m.optimizer)},"
-                f" gathered {size_text(m.gathered)}"
-            )
-        return lines
+        batch = (
+            f"global batch {self.global_batch} x {self.model.tokens} tokens"
+            if self.global_batch
+            else f"{self.model.batch} sample(s) of {self.model.tokens} tokens per replica"
+        )
+        fit = len(self.fitting)
+        head = [f"{fit} of {len(self.candidates)} layouts fit and are built ({limit}; {self.hardware.name}; {batch})"]
+        if self.best:
+            head.append(f"chosen: {self.best.describe()}: {self.why()}")
+        shown = self.candidates if rows is None else self.candidates[:rows]
+        return head + [self.line(c) for c in shown]
 
 
-def plan_memory(
+def plan(
     module: nn.Module,
+    model: ModelProfile,
+    hardware: Hardware,
     world_size: int,
     devices_per_node: int,
     max_memory_per_rank: str | int | None = None,
     optimizer_states: int = 2,
-) -> MemoryPlan:
-    """Predict every buildable layout's memory on the fullest rank for ``module`` and mark those within
-    ``max_memory_per_rank`` (parameters, gradients, optimizer state and the gathered block; activations are not
-    predicted yet, so leave room for them)."""
-    from lightning_sgdtp.parallel.checkpointing import find_block_stack
+    fixed: dict[str, Any] | None = None,
+    global_batch: int | None = None,
+) -> Plan:
+    """Every layout of ``world_size`` ranks for ``module`` (``model``: its profile and batch), predicted; the
+    ones that fit ``max_memory_per_rank`` (default: the hardware's memory) and that the strategy builds first,
+    fastest per sample first. ``fixed``: layout and schedule fields the user set (:data:`FIXABLE`).
 
-    limit = parse_memory(max_memory_per_rank) if max_memory_per_rank is not None else None
-    found = find_block_stack(module)
-    blocks = len(list(found[1].children())) if found is not None else 1
-    plan = MemoryPlan(limit)
-    for candidate in candidate_layouts(world_size, devices_per_node, blocks):
-        if candidate.skipped is None:
-            candidate.memory = predict_memory(module, candidate.layout, optimizer_states)
-            candidate.fits = limit is None or candidate.memory.total <= limit
-        plan.candidates.append(candidate)
-    plan.candidates.sort(key=lambda c: (c.memory is None, not c.fits, c.memory.total if c.memory else 0))
-    return plan
+    ``global_batch``: samples per step over all replicas, the same for every layout (each replica then runs
+    ``global_batch / dp``: how Megatron and torchtitan compare layouts). Without it each data-parallel replica
+    runs ``model.batch`` samples (a Lightning DataLoader's batch), whatever ``dp`` is."""
+    fixed = dict(fixed or {})
+    unknown = set(fixed) - set(FIXABLE)
+    if unknown:
+        raise PlannerInputError(f"cannot fix {sorted(unknown)}: the planner's fields are {list(FIXABLE)}")
+    given = max_memory_per_rank if max_memory_per_rank is not None else hardware.memory_bytes
+    limit = parse_memory(given) if given is not None else None
+    result = Plan(limit, hardware, model, global_batch=global_batch)
+    memory: dict[Layout, RankMemory] = {}
+    for candidate in candidate_layouts(world_size, devices_per_node, model.blocks):
+        if candidate.skipped and candidate.built:
+            result.candidates.append(candidate)
+            continue
+        batch = model.batch
+        if global_batch is not None:
+            batch = global_batch // candidate.layout.dp
+            if batch < 1 or global_batch % candidate.layout.dp:
+                if candidate.built and not candidate.skipped:
+                    candidate.skipped = f"global batch {global_batch} does not divide over dp={candidate.layout.dp}"
+                    result.candidates.append(candidate)
+                continue
+        for layout, schedule in _schedules(candidate.layout, batch, devices_per_node):
+            values = {**vars(layout), **vars(schedule)}
+            if any(values[k] != v for k, v in fixed.items()):
+                continue
+            row = Candidate(layout, schedule, skipped=candidate.skipped, built=candidate.built)
+            if layout.shard_size and (layout.tp > 1 or layout.pp > 1):
+                row.skipped, row.built = HSDP_NOT_WITH_TP, False
+            if layout not in memory:
+                memory[layout] = predict_memory(module, layout, optimizer_states)
+            unsharded = replace(layout, sharding="none", shard_size=None)
+            if unsharded not in memory:
+                memory[unsharded] = predict_memory(module, unsharded, optimizer_states)
+            profile = model.with_batch(batch)
+            acts = activation_bytes(profile, layout, hardware, schedule)
+            row.memory = replace(memory[layout], activations=acts)
+            row.fits = limit is None or row.memory.total <= limit
+            held = memory[unsharded].parameters
+            row.time = step_time(profile, layout, hardware, devices_per_node, held, schedule)
+            result.candidates.append(row)
+    result.candidates.sort(
+        key=lambda c: (
+            not c.choosable,
+            c.memory is None,
+            c.time.seconds_per_sample if c.time else 0.0,
+            c.schedule.checkpointing,  # at equal time, no recompute
+            c.memory.total if c.memory else 0,
+        )
+    )
+    return result
 
 
-def check_fits(plan: MemoryPlan) -> None:
-    """Raise, naming the smallest layout and its predicted memory, when no layout fits the limit."""
-    if plan.limit is None or plan.fitting:
+def check_fits(result: Plan) -> None:
+    """Raise, naming the smallest built layout and its predicted memory, when none fits the limit."""
+    if result.limit is None or result.fitting:
         return
-    smallest = plan.smallest()
+    smallest = result.smallest()
     need = size_text(smallest.memory.total) if smallest and smallest.memory else "unknown"
     raise PlannerInputError(
-        f"no layout fits max_memory_per_rank={size_text(plan.limit)}: the smallest,"
-        f" {smallest.layout.describe() if smallest else 'none'}, needs {need} per rank before activations. Use more"
-        " ranks, a larger limit, or a smaller model."
+        f"no layout fits max_memory_per_rank={size_text(result.limit)}: the smallest,"
+        f" {smallest.describe() if smallest else 'none'}, needs {need} per rank (activations included). Use more"
+        " ranks, a larger limit, a smaller batch per rank, or a smaller model."
     )
