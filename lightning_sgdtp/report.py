@@ -118,8 +118,10 @@ def plan_dict(
     dp_size: int,
     num_nodes: int,
     process_group_backend: str | None,
+    planner: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``strategy.plan``: each part from the object that decided it (layout, engine, its gradient sync)."""
+    """``strategy.plan``: each part from the object that decided it (layout, engine, its gradient sync; the
+    planner's table with ``parallelism="auto"``)."""
     sync = engine.grad_sync if engine is not None else None
     ledger = sync.ledger if sync is not None else None
     in_graph = ledger.graph_bytes_last_step if ledger else 0
@@ -152,7 +154,7 @@ def plan_dict(
         "last_step_sync": dict(ledger.last_step) if ledger else {},
         "bytes_per_step": {"in_graph": in_graph, "fallback": fallback, "total": in_graph + fallback},
         "step_program": engine.program() if engine is not None else None,
-    }
+    } | ({"planner": planner} if planner is not None else {})
 
 
 def graph_from_dict(d: dict[str, Any]) -> GraphBuckets:

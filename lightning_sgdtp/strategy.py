@@ -64,6 +64,7 @@ from lightning_sgdtp.grad_sync import GradSync
 from lightning_sgdtp.layout import ParallelDims
 from lightning_sgdtp.ledger import GradLedger
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
+from lightning_sgdtp.planner.auto import given_options, plan_at_setup
 from lightning_sgdtp.preemption import Preempted, PreemptionCoordinator
 from lightning_sgdtp.report import PlanReport, plan_dict
 from lightning_sgdtp.resume import ResumableLoader
@@ -131,10 +132,7 @@ class SGDTPStrategy(ParallelStrategy):
         given = {k: v for k, v in option_values.items() if v is not None}
         # Validate first: a bad option fails here, in the launching process, before anything is spawned.
         self._config = config = SGDTPConfig.from_options(options, **given)
-        # What the user set (the planner keeps it fixed with parallelism="auto").
-        named = dict((options or {}).get("distributed") or {})
-        self._given = set(given) | {"parallelism" if k == "strategy" else k for k in named}
-        self._planner: dict[str, Any] | None = None
+        self._given, self._planner = given_options(options, given), None  # what parallelism="auto" keeps fixed
         check_process_group_backend(process_group_backend)
         super().__init__(
             accelerator=accelerator,
@@ -203,11 +201,6 @@ class SGDTPStrategy(ParallelStrategy):
         return self._dims
 
     @property
-    def layout(self) -> ParallelDims | None:
-        """The first waves' name of :attr:`dims`."""
-        return self._dims
-
-    @property
     def engine(self) -> StepEngine | None:
         """What runs the steps: the compiled engine or the pipelined one (chosen at setup)."""
         return self._engine
@@ -256,13 +249,11 @@ class SGDTPStrategy(ParallelStrategy):
     @property
     def plan(self) -> dict[str, Any]:
         """Everything the plugin decided, as plain data (also written to ``sgdtp_plan.json`` next to the logs)."""
-        out = plan_dict(
+        return plan_dict(
             self._config, self._dims, self._engine, self._report.graph_breaks, world_size=self.world_size,
             dp_size=self.dp_size, num_nodes=self.num_nodes, process_group_backend=self._process_group_backend,
+            planner=self._planner,
         )  # fmt: skip
-        if self._planner is not None:
-            out["planner"] = self._planner
-        return out
 
     def _global_step(self) -> int:
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -275,8 +266,7 @@ class SGDTPStrategy(ParallelStrategy):
         supported = plugin in (Precision, MixedPrecision, HalfPrecision)
         check_trainer_plugins(None if supported else plugin.__name__, self._layer_sync is not None)
         assert self.cluster_environment is not None
-        # Sizes that cannot work fail here, before any process starts (parallelism="auto": after the plan).
-        if not self._config.planned:
+        if not self._config.planned:  # sizes that cannot work fail here, before any process starts (auto: at setup)
             ParallelDims.resolve(self._config, self.num_nodes * self.num_processes, self.num_processes, self.num_nodes)
         # Always, as DDPStrategy: with processes started by SLURM or torchrun the launcher starts nothing, but it
         # checks devices / num_nodes against the launcher's tasks before anything else happens.
@@ -312,26 +302,14 @@ class SGDTPStrategy(ParallelStrategy):
             self._watchdog.install()
         # Before any compile: a cache folder that cannot be written fails here, named, on the rank that sees it.
         check_cache_folders(config.compile_cache)
+        lines: list[str] = []
         if self._config.planned:  # parallelism="auto": the layout chosen here, on every rank alike
-            self._plan_layout()
+            planned = (self._given, self.lightning_module, self.world_size, self.num_processes, device)
+            self._config, self._planner, lines = plan_at_setup(self._config, *planned, self.precision_plugin.precision)
         if self._dims is None:  # sizes, the rank grid (topology), every mesh: built once, one line each
-            args = (config, self.world_size, self.num_processes, self.num_nodes, device.type)
-            self._dims, lines = ParallelDims.for_cluster(*args)
-            for line in lines:
-                self._report.say(line)
-
-    def _plan_layout(self) -> None:
-        from lightning_sgdtp.compiler.bucket_cost import measure
-        from lightning_sgdtp.planner.auto import decide, hardware_for
-
-        module = self.lightning_module
-        assert module is not None
-        hardware = hardware_for(self.root_device, measure(None, self.root_device))
-        half = str(getattr(self.precision_plugin, "precision", "32")).startswith(("bf16", "16"))
-        self._config, result, lines = decide(
-            self._config, self._given, module, self.world_size, self.num_processes, hardware, 2 if half else 4
-        )
-        self._planner = result.to_dict()
+            args = (self._config, self.world_size, self.num_processes, self.num_nodes, device.type)
+            self._dims, more = ParallelDims.for_cluster(*args)
+            lines += more
         for line in lines:
             self._report.say(line)
 

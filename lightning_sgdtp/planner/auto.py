@@ -20,6 +20,31 @@ from lightning_sgdtp.planner.cost import HARDWARE, Hardware, measured_hardware, 
 from lightning_sgdtp.planner.search import Candidate, Plan, PlannerInputError, check_fits, plan, size_text, time_text
 
 
+def given_options(options: dict[str, Any] | None, given: dict[str, Any]) -> set[str]:
+    """The option names the user set, as keywords or in the design documents' options dict."""
+    named = dict((options or {}).get("distributed") or {})
+    return set(given) | {"parallelism" if k == "strategy" else k for k in named}
+
+
+def plan_at_setup(
+    config: SGDTPConfig,
+    given: set[str],
+    module: nn.Module,
+    world_size: int,
+    devices_per_node: int,
+    device: torch.device,
+    precision: str,
+) -> tuple[SGDTPConfig, dict[str, Any], list[str]]:
+    """The strategy's setup with ``parallelism="auto"`` (every rank; the measurement is a collective over the
+    world): the resolved options, ``strategy.plan["planner"]`` and the lines for rank 0."""
+    from lightning_sgdtp.compiler.bucket_cost import measure
+
+    hardware = hardware_for(device, measure(None, device))
+    half = str(precision).startswith(("bf16", "16"))
+    resolved, result, lines = decide(config, given, module, world_size, devices_per_node, hardware, 2 if half else 4)
+    return resolved, result.to_dict(), lines
+
+
 def fixed_fields(config: SGDTPConfig, given: set[str], devices_per_node: int) -> dict[str, Any]:
     """The planner's fields the user's options fix: a tensor-parallel size, pipeline stages and chunks, sharding,
     an int or ``"node"`` shard size, activation checkpointing (when given explicitly)."""

@@ -360,11 +360,12 @@ def activation_bytes(model: ModelProfile, layout: Layout, hardware: Hardware, sc
         per_token += 2.5 * a * s / h / tp
     one_block = tokens * h * per_token * model.activation_bytes
     blocks = math.ceil(model.blocks * stage_share(layout, model.blocks))
-    if schedule.checkpointing:
-        kept = blocks * tokens * h * model.activation_bytes + one_block
-    else:
-        kept = blocks * one_block
     in_flight = min(m, pp) if pp > 1 else 1
-    logits = tokens * model.vocab / tp * (model.activation_bytes + 4) if pp == 1 else 0
-    last_stage_logits = tokens * model.vocab / tp * (model.activation_bytes + 4)
-    return int(max(kept * in_flight + logits, last_stage_logits + kept if pp > 1 else 0))
+    if schedule.checkpointing:  # each block's input per micro-batch in flight, one block recomputed at a time
+        kept = in_flight * blocks * tokens * h * model.activation_bytes + one_block
+    else:
+        kept = in_flight * blocks * one_block
+    logits = tokens * model.vocab / tp * (model.activation_bytes + 4)  # and their float32 gradient
+    # without a pipeline the one rank holds both; with one, the first stage holds the most micro-batches in
+    # flight and the last stage the logits
+    return int(kept + logits if pp == 1 else max(kept, kept / in_flight + logits))

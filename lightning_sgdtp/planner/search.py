@@ -146,8 +146,8 @@ def candidate_layouts(world_size: int, devices_per_node: int, blocks: int) -> li
     return out
 
 
-def _schedules(layout: Layout, batch: int, devices_per_node: int) -> list[tuple[Layout, Schedule]]:
-    """What a layout leaves open: checkpointing (not with tensor parallel: NotAvailableYetError), micro-batches
+def _schedules(layout: Layout, batch: int, devices_per_node: int, blocks: int) -> list[tuple[Layout, Schedule]]:
+    """What a layout leaves open: checkpointing (of a block stack; not with tensor parallel), micro-batches
     (stages x 1, 2, 4, 8, or one sample each: whole samples, dividing the batch), hybrid sharding over one node's
     ranks."""
     layouts = [layout]
@@ -159,7 +159,7 @@ def _schedules(layout: Layout, batch: int, devices_per_node: int) -> list[tuple[
     return [
         (lay, Schedule(checkpointing=ckpt, micro_batches=m))
         for lay in layouts
-        for ckpt in ((False, True) if layout.tp == 1 else (False,))
+        for ckpt in ((False, True) if layout.tp == 1 and blocks > 1 else (False,))
         for m in chunks
     ]
 
@@ -199,6 +199,9 @@ class Plan:
         parts = [k for k in per_a if k not in ("total", "samples")]
         diff = max(parts, key=lambda k: per_b[k] / b.samples - per_a[k] / a.samples)
         ratio = b.seconds_per_sample / max(a.seconds_per_sample, 1e-30)
+        if ratio < 1.01:
+            tie = "no recompute" if fit[1].schedule.checkpointing > fit[0].schedule.checkpointing else "less memory"
+            return f"as fast as the next per sample (within 1%), chosen for {tie}"
         return f"{ratio:.2f}x faster per sample than the next, mostly {diff.replace('_', ' ')}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -277,7 +280,7 @@ def plan(
                     candidate.skipped = f"global batch {global_batch} does not divide over dp={candidate.layout.dp}"
                     result.candidates.append(candidate)
                 continue
-        for layout, schedule in _schedules(candidate.layout, batch, devices_per_node):
+        for layout, schedule in _schedules(candidate.layout, batch, devices_per_node, model.blocks):
             values = {**vars(layout), **vars(schedule)}
             if any(values[k] != v for k, v in fixed.items()):
                 continue

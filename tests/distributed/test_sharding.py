@@ -132,7 +132,7 @@ def test_sharded_training_matches_one_process(name: str, tmp_path_factory: pytes
         assert plan["config"]["parallelism"] == "data" and plan["config"]["sharding"] == "full"
         log = r["log"]
         assert "planner: parallelism='auto' chose dp 2, sharding=full:" in log and "limit 292.97 KiB" in log, log
-        assert log.count("planner: next: ") == 2, log
+        assert log.count("planner: next: ") == min(2, len(planner["candidates"]) - 1) == 1, log  # sharding fixed
         held = sharding["held_bytes"]["total"]  # what the rank holds after the first step, within the limit
         assert held <= planner["limit"], (held, planner["limit"])
 

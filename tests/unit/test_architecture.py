@@ -76,7 +76,13 @@ def test_the_cycle_check_sees_function_level_imports(tmp_path: Path) -> None:
 
 #: Where the mode is decided: the options, the dimensions (and the rank grid they are built from), the part plan.
 #: planner/: predicting and choosing a layout is deciding the mode (ARCHITECTURE.md's "planner": cost model + search)
-DECIDERS = {"config.py", "layout.py", "topology.py", "engine/parallelize.py", "planner/memory.py", "planner/search.py"}
+DECIDERS = {
+    "config.py",
+    "layout.py",
+    "topology.py",
+    "engine/parallelize.py",
+    *(f"planner/{name}.py" for name in ("memory", "search", "cost", "auto")),  # the planner decides the mode
+}
 #: A check of the mode: the options' parallelism/pipeline/sharding fields, a ParallelDims size or ``*_enabled``,
 #: and the stand-ins that re-derive it (a mesh's None-ness, a module already split or sharded, a tensor or shard
 #: plan's None-ness).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,14 +11,17 @@ from helpers import REPO
 from torch import nn
 
 from lightning_sgdtp.cli import main
+from lightning_sgdtp.planner.cost import HARDWARE, profile
 from lightning_sgdtp.planner.memory import Layout
 from lightning_sgdtp.planner.search import (
+    HSDP_NOT_WITH_TP,
     TP_NOT_WITH_PP,
+    Plan,
     PlannerInputError,
     candidate_layouts,
     check_fits,
     parse_memory,
-    plan_memory,
+    plan,
 )
 
 
@@ -51,50 +55,113 @@ def test_every_layout_of_the_world_size_is_listed_and_what_is_not_built_says_why
     assert layouts[Layout(dp=2, tp=8)] is None  # one node per tensor-parallel group
     assert "does not divide 8" in layouts[Layout(tp=16)]  # across nodes
     assert "every stage needs one" in layouts[Layout(dp=2, pp=8)]  # 8 stages, 4 blocks
-    assert layouts[Layout(dp=2, tp=2, pp=4)] == TP_NOT_WITH_PP
+    assert layouts[Layout(dp=2, tp=2, pp=4)] == TP_NOT_WITH_PP  # predicted, not built
     assert not [c for c in candidates if c.layout.dp == 1 and c.layout.sharding != "none"]  # nothing to shard over
     with pytest.raises(PlannerInputError, match="multiple of the devices per node"):
         candidate_layouts(world_size=12, devices_per_node=8, blocks=4)
 
 
-def test_the_layouts_that_fit_come_first_least_memory_first() -> None:
+def _plan(module: nn.Module, world: int, per_node: int, limit: object = None, **kwargs: object) -> Plan:
+    model = profile(module, tokens=8, batch=4)
+    return plan(module, model, HARDWARE["h100"], world, per_node, limit, **kwargs)  # type: ignore[arg-type]
+
+
+def test_the_layouts_that_fit_come_first_fastest_per_sample_first() -> None:
     module = Blocks()
-    whole = sum(p.numel() * 4 for p in module.parameters())
-    plan = plan_memory(module, world_size=4, devices_per_node=4, max_memory_per_rank=2 * whole)
-    built = [c for c in plan.candidates if c.memory is not None]
-    assert plan.fitting and plan.fitting == built[: len(plan.fitting)]
-    assert all(c.memory.total <= 2 * whole for c in plan.fitting)
-    assert [c.memory.total for c in plan.fitting] == sorted(c.memory.total for c in plan.fitting)
-    assert not next(c for c in built if c.layout == Layout(dp=4)).fits  # a whole replica with AdamW: 4x the weights
-    assert plan.candidates[-1].skipped  # what cannot be built, last
-    assert "step time is not predicted yet" in plan.describe()[0]
-    check_fits(plan)
+    result = _plan(module, world=4, per_node=4, limit="400KB")
+    fitting = result.fitting
+    assert fitting and fitting == result.candidates[: len(fitting)]
+    assert all(c.memory.total <= 400_000 and c.built for c in fitting)
+    per_sample = [c.time.seconds_per_sample for c in fitting]
+    assert per_sample == sorted(per_sample) and result.best is fitting[0]
+    replicated = next(c for c in result.candidates if c.layout == Layout(dp=4) and not c.schedule.checkpointing)
+    assert not replicated.fits  # a whole replica with AdamW: 4x the weights
+    assert all(c.layout.world_size == 4 for c in result.candidates if c.memory is not None)
+    assert result.why().endswith(
+        tuple(
+            f"mostly {p}"
+            for p in ("compute", "bubble", "pipeline sends", "tensor parallel", "data parallel", "optimizer")
+        )
+    )
+    lines = result.describe(rows=5)
+    assert lines[1].startswith(f"chosen: {result.best.describe()}: ") and len(lines) == 7
+    check_fits(result)
+
+
+def test_what_is_not_built_is_predicted_and_never_chosen() -> None:
+    result = _plan(Blocks(), world=8, per_node=8)
+    three_d = [c for c in result.candidates if c.layout.tp > 1 and c.layout.pp > 1]
+    assert three_d and all(not c.built and c.skipped == TP_NOT_WITH_PP and c.time and c.memory for c in three_d)
+    hsdp_tp = [c for c in result.candidates if c.layout.shard_size and c.layout.tp > 1]
+    assert all(c.skipped == HSDP_NOT_WITH_TP and not c.choosable for c in hsdp_tp)
+    assert all(c.built for c in result.fitting) and result.best.built
+
+
+def test_options_the_user_set_stay_fixed() -> None:
+    result = _plan(Blocks(), world=4, per_node=4, fixed={"tp": 2, "checkpointing": False})
+    assert result.candidates and all(c.layout.tp == 2 for c in result.candidates if c.memory is not None)
+    assert result.best.layout == Layout(dp=2, tp=2) or result.best.layout.tp == 2
+    with pytest.raises(PlannerInputError, match=r"cannot fix \['colour'\]"):
+        _plan(Blocks(), world=4, per_node=4, fixed={"colour": 1})
+
+
+def test_a_global_batch_is_split_over_the_replicas() -> None:
+    result = _plan(Blocks(), world=4, per_node=4, global_batch=8)
+    by_layout = {c.layout: c for c in result.candidates if c.time is not None and not c.schedule.checkpointing}
+    assert by_layout[Layout(dp=4)].time.samples == 8 and by_layout[Layout(dp=2, tp=2)].time.samples == 8
+    odd = _plan(Blocks(), world=4, per_node=4, global_batch=2)  # 2 samples over dp 4: no whole sample each
+    assert any("does not divide over dp=4" in (c.skipped or "") for c in odd.candidates)
 
 
 def test_no_layout_that_fits_is_an_error_naming_the_smallest_and_its_memory() -> None:
-    plan = plan_memory(Blocks(), world_size=2, devices_per_node=2, max_memory_per_rank="1KB")
-    assert not plan.fitting
-    with pytest.raises(
-        PlannerInputError, match=r"no layout fits .* the smallest, dp 2, sharding=\w+, needs [0-9.]+ KiB"
-    ):
-        check_fits(plan)
+    result = _plan(Blocks(), world=2, per_node=2, limit="1KB")
+    assert not result.fitting
+    with pytest.raises(PlannerInputError, match=r"no layout fits .* the smallest, dp .*, needs [0-9.]+ KiB"):
+        check_fits(result)
 
 
 def test_sgdtp_plan_prints_the_table_from_a_model_on_the_meta_device(capsys: pytest.CaptureFixture[str]) -> None:
     target = f"{REPO / 'examples' / 'gpt.py'}:GPTLightningModule"
-    assert main(["plan", target, "--gpus-per-node", "4", "--gpu-memory", "8MB"]) == 0
+    assert main(["plan", target, "--gpus-per-node", "4", "--gpu-memory", "8MB", "--rows", "40"]) == 0
     out = capsys.readouterr().out
-    assert "10 of 12 layouts fit" in out and "dp 1 x tp 2 x pp 2" in out and TP_NOT_WITH_PP in out
+    assert "layouts fit and are built (limit 7.63 MiB per rank; h100;" in out and "\nchosen: " in out
+    assert "dp 1 x tp 2 x pp 2" in out and TP_NOT_WITH_PP in out
     assert main(["plan", target, "--nodes", "2", "--gpus-per-node", "2", "--json"]) == 0
     table = json.loads(capsys.readouterr().out)
-    assert table["limit"] is None and all("skipped" in c or c["fits"] for c in table["candidates"])
+    assert table["limit"] == 80 * 2**30 and table["chosen"]["built"] and table["why"]
     assert torch.empty(1).device.type == "cpu"  # the meta device was only the model's
 
 
-def test_sgdtp_plan_names_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+def test_sgdtp_plan_plans_a_named_llama_shape_in_seconds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "llama3-8b", "--global-batch", "16", "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    model = table["model"]
+    assert (model["blocks"], model["width"], model["heads"], model["vocab"], model["tokens"]) == (
+        32,
+        4096,
+        32,
+        128256,
+        8192,
+    )
+    assert 6.9e9 < model["matmul_params"] < 7.6e9  # 8.03e9 parameters, the 0.53e9 of the input embedding excluded
+    chosen = table["chosen"]
+    assert chosen["built"] and chosen["fits"] and chosen["memory"]["total"] <= 80 * 2**30
+
+
+def test_sgdtp_plan_names_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     target = f"{REPO / 'examples' / 'gpt.py'}:GPT"  # needs a config: the factory must take no argument
     assert main(["plan", target]) == 2
     assert "GPT() failed: TypeError" in capsys.readouterr().err
     good = f"{REPO / 'examples' / 'gpt.py'}:GPTLightningModule"
     assert main(["plan", good, "--gpu-memory", "80"]) == 2
     assert "memory '80': give a positive number with a unit" in capsys.readouterr().err
+    bad = tmp_path / "topo.txt"
+    bad.write_text("GPU0 GPU1\nnot a table\n")
+    assert main(["plan", good, "--topology", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"--topology {bad}: no GPU table found" in err and "nvidia-smi topo -m" in err
+    topo = REPO / "tests" / "data" / "topology" / "pcie-4x.txt"
+    assert main(["plan", good, "--topology", str(topo), "--gpus-per-node", "8"]) == 2
+    assert "--gpus-per-node 8 but the topology file has 4 GPUs" in capsys.readouterr().err
+    assert main(["plan", good, "--fix", "tp"]) == 2
+    assert "--fix 'tp': give NAME=VALUE" in capsys.readouterr().err
