@@ -112,7 +112,8 @@ class SGDTPConfig:
             tensor parallel, a 2-D layout) and pipeline (each stage over its replicas). See ``docs/sharding.md``.
         param_gather_dtype: with ``sharding``: ``None`` (gather parameters in their own dtype) or ``"bf16"`` (half
             the bytes of each all-gather; the computation then sees bfloat16 parameters, as with bf16-mixed).
-        shard_size: with ``sharding``, ``parallelism="data"``: over how many data-parallel ranks a parameter is
+        shard_size: with ``sharding`` (``parallelism="data"`` or ``"hybrid"``; not with pipeline stages): over how
+            many data-parallel ranks a parameter is
             split. ``None`` (default: all of them), ``"node"`` (the ranks of one node: split inside a node over its
             fast links, replicated across nodes, FSDP's hybrid shard / HSDP) or an int that divides the
             data-parallel size. The replicas' gradients are all-reduced across the groups.
@@ -418,11 +419,11 @@ class SGDTPConfig:
                     f"shard_size={size!r} applies to sharded parameters: set sharding='full' or 'optimizer' (or"
                     " remove shard_size)."
                 )
-            if self.parallelism not in ("data", "auto") or self.pipelined:
+            if self.pipelined:
                 raise NotAvailableYetError(
-                    f"shard_size={size!r} (hybrid sharding) with {'pipeline stages' if self.pipelined else f'parallelism={self.parallelism!r}'}"
-                    " is not available yet: it needs a 3-D mesh. Use parallelism='data' without pipeline_stages,"
-                    " or remove shard_size (every data-parallel rank then holds one shard)."
+                    f"shard_size={size!r} (hybrid sharding) with pipeline stages is not available yet. Use"
+                    " parallelism='data' or 'hybrid' without pipeline_stages, or remove shard_size (every"
+                    " data-parallel rank of a stage then holds one shard)."
                 )
         if self.param_gather_dtype is not None:
             if self.param_gather_dtype not in GRAD_COMM_DTYPES:

@@ -170,7 +170,8 @@ class ParallelDims:
             shard = hybrid_shard_size(config, world_size, devices_per_node)
             return cls(**base, **_data_parallel(config, world_size, shard), grid=grid)
         tp = tensor_parallel_size(config, world_size, devices_per_node, topology)
-        sizes = cls(**base, **_data_parallel(config, world_size // tp, None), tp=tp)  # checked before the topology
+        shard = hybrid_shard_size(config, world_size // tp, max(devices_per_node // tp, 1))  # "node": dp ranks of one
+        sizes = cls(**base, **_data_parallel(config, world_size // tp, shard), tp=tp)  # checked before the topology
         if topology is None:
             return sizes
         try:
@@ -200,13 +201,19 @@ class ParallelDims:
         import torch
         from torch.distributed.device_mesh import DeviceMesh
 
-        world = None
-        if self.mesh_dims is not None:
+        world, names = None, self.mesh_dims or ()
+        if self.hybrid_shard_enabled and self.tp_enabled:  # 3-D: the grid's dp rows as replicas x shards
+            names = ("dp_replicate", "dp_shard", "tp")
+            grid = torch.tensor(self.grid, dtype=torch.int).reshape(self.dp_replicate, self.dp_shard, self.tp)
+            world = DeviceMesh(device_type, grid, mesh_dim_names=names)
+            shard = world["dp_replicate", "dp_shard"]
+            dp = shard._flatten("dp")
+        elif self.mesh_dims is not None:
             world = DeviceMesh(device_type, torch.tensor(self.grid, dtype=torch.int), mesh_dim_names=self.mesh_dims)
-        names = self.mesh_dims or ()
-        dp = world["dp"] if world is not None else None
-        shard = dp
-        if self.hybrid_shard_enabled:  # rows: the groups a parameter is split over
+            dp = shard = world["dp"]
+        else:
+            dp = shard = None
+        if self.hybrid_shard_enabled and not self.tp_enabled:  # rows: the groups a parameter is split over
             grid = torch.arange(self.world_size, dtype=torch.int).reshape(self.dp_replicate, self.dp_shard)
             shard = DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "dp_shard"))
         meshes = Meshes(
@@ -301,9 +308,17 @@ class ParallelDims:
             )
         if not self.tp_enabled:
             return f"mesh dp={self.dp}: parameters split over the {self.dp} ranks (sharding={config.sharding})"
+        hybrid = (
+            f"; parameters split over groups of {self.dp_shard} rows, replicated {self.dp_replicate} times (hybrid"
+            f" sharding x tensor parallel, 3-D mesh dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x"
+            f" tp={self.tp})"
+            if self.hybrid_shard_enabled
+            else ""
+        )
         return (
             f"mesh dp={self.dp} x tp={self.tp}: tensor-parallel groups {self.grid} (rows, each inside one node);"
             " data parallel across rows" + (" (tensor_parallel_size='auto': one fast-link island)" if auto else "")
+            + hybrid
         )
 
 

@@ -178,15 +178,16 @@ class ParameterRead:
                 placements=[Replicate()] * ndim, forward_dtype=self.gather_dtype, backward_dtype=self.reduce_dtype
             )
             return whole.to_local(grad_placements=[Partial("avg") if self.reduce else Replicate()] * ndim)
-        grad = [Partial("avg")] if self.reduce else [Replicate()]
-        # ("dp", "tp"): gather over dp on this rank's tensor-parallel shard, then the tensor-parallel DTensor again
-        tp_mesh = self.tp_mesh
-        dp_placement = param.placements[0]
-        local = DTensor.from_local(param.to_local(), self.dp_mesh, [_plain(dp_placement)], run_check=False)
+        # ("dp", "tp"), or ("dp_replicate", "dp_shard", "tp") with hybrid sharding: gather over dp on this rank's
+        # tensor-parallel shard (averaging the gradient over every dp dimension), then the tensor-parallel DTensor
+        ndim = self.dp_mesh.ndim
+        grad = [Partial("avg") if self.reduce else Replicate()] * ndim
+        *replicas, dp_placement, tp_placement = param.placements
+        local = DTensor.from_local(param.to_local(), self.dp_mesh, [*replicas, _plain(dp_placement)], run_check=False)
         whole = local.redistribute(
-            placements=[Replicate()], forward_dtype=self.gather_dtype, backward_dtype=self.reduce_dtype
+            placements=[Replicate()] * ndim, forward_dtype=self.gather_dtype, backward_dtype=self.reduce_dtype
         )
-        return DTensor.from_local(whole.to_local(grad_placements=grad), tp_mesh, [param.placements[1]], run_check=False)
+        return DTensor.from_local(whole.to_local(grad_placements=grad), self.tp_mesh, [tp_placement], run_check=False)
 
 
 def _plain(placement: Any) -> Any:
@@ -276,7 +277,7 @@ def shard_parameters(
                 plan.whole[name] = f"no dimension of {tuple(local.shape)} divisible by {dp}"
             else:
                 plan.split[name] = dim
-            if isinstance(p, DTensor):  # tensor parallel: a 2-D DTensor over ("dp", "tp")
+            if isinstance(p, DTensor):  # tensor parallel: over ("dp", "tp"), or ("dp_replicate", "dp_shard", "tp")
                 assert full_mesh is not None, "a tensor-parallel parameter needs the (dp, tp) mesh"
                 (tp_placement,) = p.placements
                 if dim is None:
@@ -289,7 +290,7 @@ def shard_parameters(
                     dp_placement = Shard(dim)
                     piece = local.chunk(dp, dim)[dp_mesh.get_local_rank(dp_mesh.ndim - 1)].clone()
                 value = DTensor.from_local(
-                    piece.contiguous(), full_mesh, [dp_placement, tp_placement], run_check=False,
+                    piece.contiguous(), full_mesh, [*replicas, dp_placement, tp_placement], run_check=False,
                     shape=p.shape, stride=p.stride(),
                 )  # fmt: skip
             else:

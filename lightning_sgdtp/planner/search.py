@@ -3,7 +3,7 @@
 :func:`candidate_layouts` lists every dp x tp x pp x sharding whose sizes multiply to the world size, with the
 reason a layout is left out: tensor parallel across nodes (``tp`` must divide the devices of one node), more stages
 than blocks, sharding without data-parallel ranks. Layouts the strategy does not build yet (tensor parallel with
-pipeline stages, 3-D) are predicted like the others and marked, so the table shows what they would give; the
+pipeline stages; hybrid sharding with pipeline stages) are predicted like the others and marked, so the table shows what they would give; the
 strategy never picks them.
 
 :func:`plan` adds what the layout leaves open (activation checkpointing where it is built, the pipeline's
@@ -45,7 +45,7 @@ _UNITS = {
     "TIB": 2**40,
 }
 TP_NOT_WITH_PP = "tensor parallel with pipeline stages (3-D) is not built yet"
-HSDP_NOT_WITH_TP = "hybrid sharding (shard_size) with tensor parallel or pipeline stages is not built yet"
+HSDP_NOT_WITH_PP = "hybrid sharding (shard_size) with pipeline stages is not built yet"
 #: What ``fixed`` may hold: the fields of a layout and of its schedule.
 FIXABLE = ("dp", "tp", "pp", "sharding", "shard_size", "checkpointing", "micro_batches")
 
@@ -285,8 +285,8 @@ def plan(
             if any(values[k] != v for k, v in fixed.items()):
                 continue
             row = Candidate(layout, schedule, skipped=candidate.skipped, built=candidate.built)
-            if layout.shard_size and (layout.tp > 1 or layout.pp > 1):
-                row.skipped, row.built = HSDP_NOT_WITH_TP, False
+            if layout.shard_size and layout.pp > 1 and row.built:
+                row.skipped, row.built = HSDP_NOT_WITH_PP, False
             if layout not in memory:
                 memory[layout] = predict_memory(module, layout, optimizer_states)
             unsharded = replace(layout, sharding="none", shard_size=None)

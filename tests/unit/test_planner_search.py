@@ -14,7 +14,7 @@ from lightning_sgdtp.cli import main
 from lightning_sgdtp.planner.cost import HARDWARE, profile
 from lightning_sgdtp.planner.memory import Layout
 from lightning_sgdtp.planner.search import (
-    HSDP_NOT_WITH_TP,
+    HSDP_NOT_WITH_PP,
     TP_NOT_WITH_PP,
     Plan,
     PlannerInputError,
@@ -89,11 +89,13 @@ def test_the_layouts_that_fit_come_first_fastest_per_sample_first() -> None:
 
 
 def test_what_is_not_built_is_predicted_and_never_chosen() -> None:
-    result = _plan(Blocks(), world=8, per_node=8)
-    three_d = [c for c in result.candidates if c.layout.tp > 1 and c.layout.pp > 1]
+    result = _plan(Blocks(), world=16, per_node=4)  # 4 nodes: hybrid sharding inside each
+    three_d = [c for c in result.candidates if c.layout.tp > 1 and c.layout.pp > 1 and c.memory is not None]
     assert three_d and all(not c.built and c.skipped == TP_NOT_WITH_PP and c.time and c.memory for c in three_d)
-    hsdp_tp = [c for c in result.candidates if c.layout.shard_size and c.layout.tp > 1]
-    assert all(c.skipped == HSDP_NOT_WITH_TP and not c.choosable for c in hsdp_tp)
+    hsdp_pp = [c for c in result.candidates if c.layout.shard_size and c.layout.pp > 1 and c.layout.tp == 1]
+    assert hsdp_pp and all(c.skipped == HSDP_NOT_WITH_PP and not c.choosable for c in hsdp_pp)
+    hsdp_tp = [c for c in result.candidates if c.layout.shard_size and c.layout.tp > 1 and c.layout.pp == 1]
+    assert hsdp_tp and all(c.built and not c.skipped for c in hsdp_tp)  # 3-D: dp_replicate x dp_shard x tp
     assert all(c.built for c in result.fitting) and result.best.built
 
 

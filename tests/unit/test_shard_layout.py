@@ -100,5 +100,9 @@ def test_hybrid_sharding_splits_inside_a_node_and_replicates_across_nodes() -> N
         SGDTPConfig(shard_size="node")
     with pytest.raises(SGDTPConfigError, match="positive int"):
         SGDTPConfig(sharding="full", shard_size=0)
-    with pytest.raises(NotAvailableYetError, match="needs a 3-D mesh"):
-        SGDTPConfig(sharding="full", shard_size=2, parallelism="hybrid")
+    with pytest.raises(NotAvailableYetError, match="with pipeline stages is not available yet"):
+        SGDTPConfig(sharding="full", shard_size=2, pipeline_stages=2)
+    # with tensor parallel (issue 26): 3-D, groups of 2 rows of tp=2, "node" = the rows of one node
+    hsdp_tp = SGDTPConfig(sharding="full", shard_size="node", parallelism="hybrid", tensor_parallel_size=2)
+    layout = ParallelLayout.resolve(hsdp_tp, world_size=16, devices_per_node=8, num_nodes=2)
+    assert (layout.dp, layout.tp, layout.dp_replicate, layout.dp_shard) == (8, 2, 2, 4)
