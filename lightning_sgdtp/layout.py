@@ -317,7 +317,8 @@ class ParallelDims:
         )
         return (
             f"mesh dp={self.dp} x tp={self.tp}: tensor-parallel groups {self.grid} (rows, each inside one node);"
-            " data parallel across rows" + (" (tensor_parallel_size='auto': one fast-link island)" if auto else "")
+            " data parallel across rows"
+            + (" (tensor_parallel_size='auto': one fast-link island)" if auto else "")
             + hybrid
         )
 

@@ -100,10 +100,10 @@ class Hardware:
 PCIE = Link(15e-6, 20e9)
 
 
-def _gpu(name: str, memory_gib: int, peak: float, nvlink: float, network: float, source: str) -> Hardware:
+def _gpu(name: str, memory_gb: int, peak: float, nvlink: float, network: float, source: str) -> Hardware:
     return Hardware(
         name=name,
-        memory_bytes=memory_gib * 2**30,
+        memory_bytes=memory_gb * 10**9,  # "80GB" taken as decimal: below what the device reports, never above
         flops_per_s=0.4 * peak,  # 40% of the dense bf16 peak: an assumption, stated in docs/planner.md
         memory_bytes_per_s=2.0e12,
         island_link=Link(10e-6, nvlink),

@@ -99,7 +99,7 @@ class Candidate:
 
     def describe(self) -> str:
         text = self.layout.describe()
-        if self.layout.pp > 1:
+        if self.layout.pp > 1 and self.time is not None:
             text += f", {self.schedule.micro_batches} micro-batches"
         return text + (", checkpointing" if self.schedule.checkpointing else "")
 
@@ -146,20 +146,25 @@ def candidate_layouts(world_size: int, devices_per_node: int, blocks: int) -> li
     return out
 
 
-def _schedules(layout: Layout, batch: int, devices_per_node: int, blocks: int) -> list[tuple[Layout, Schedule]]:
-    """What a layout leaves open: checkpointing (of a block stack; not with tensor parallel), micro-batches
-    (stages x 1, 2, 4, 8, or one sample each: whole samples, dividing the batch), hybrid sharding over one node's
-    ranks."""
+def _schedules(
+    layout: Layout, batch: int, devices_per_node: int, blocks: int, built: bool
+) -> list[tuple[Layout, Schedule]]:
+    """What a layout leaves open: checkpointing (of a block stack; the strategy does not build it with tensor
+    parallel, a layout not built yet is predicted with it too), micro-batches (stages x 1, 2, 4, 8, or one sample
+    each: whole samples dividing the batch, at least one per stage as 1F1B needs; none: the batch is too small for
+    the pipeline), hybrid sharding over one node's ranks."""
     layouts = [layout]
     per_node = devices_per_node // layout.tp
     if layout.sharding != "none" and 1 < per_node < layout.dp and layout.dp % per_node == 0:
         layouts.append(replace(layout, shard_size=per_node))
-    options = {k * layout.pp for k in (1, 2, 4, 8)} | {batch}
-    chunks = sorted(m for m in options if batch % m == 0 and m >= layout.pp) or [1] if layout.pp > 1 else [1]
+    chunks = [1]
+    if layout.pp > 1:
+        options = {k * layout.pp for k in (1, 2, 4, 8)} | {batch}
+        chunks = sorted(m for m in options if batch % m == 0 and m >= layout.pp)
     return [
         (lay, Schedule(checkpointing=ckpt, micro_batches=m))
         for lay in layouts
-        for ckpt in ((False, True) if layout.tp == 1 and blocks > 1 else (False,))
+        for ckpt in ((False, True) if (layout.tp == 1 or not built) and blocks > 1 else (False,))
         for m in chunks
     ]
 
@@ -200,8 +205,8 @@ class Plan:
         diff = max(parts, key=lambda k: per_b[k] / b.samples - per_a[k] / a.samples)
         ratio = b.seconds_per_sample / max(a.seconds_per_sample, 1e-30)
         if ratio < 1.01:
-            tie = "no recompute" if fit[1].schedule.checkpointing > fit[0].schedule.checkpointing else "less memory"
-            return f"as fast as the next per sample (within 1%), chosen for {tie}"
+            tie = ", without recompute" if fit[1].schedule.checkpointing > fit[0].schedule.checkpointing else ""
+            return f"as fast as the next per sample (within 1%){tie}"
         return f"{ratio:.2f}x faster per sample than the next, mostly {diff.replace('_', ' ')}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -269,6 +274,8 @@ def plan(
     result = Plan(limit, hardware, model, global_batch=global_batch)
     memory: dict[Layout, RankMemory] = {}
     for candidate in candidate_layouts(world_size, devices_per_node, model.blocks):
+        if any(vars(candidate.layout).get(k, v) != v for k, v in fixed.items()):
+            continue  # a layout the user's options exclude, listed or not
         if candidate.skipped and candidate.built:
             result.candidates.append(candidate)
             continue
@@ -280,7 +287,13 @@ def plan(
                     candidate.skipped = f"global batch {global_batch} does not divide over dp={candidate.layout.dp}"
                     result.candidates.append(candidate)
                 continue
-        for layout, schedule in _schedules(candidate.layout, batch, devices_per_node, model.blocks):
+        schedules = _schedules(candidate.layout, batch, devices_per_node, model.blocks, candidate.built)
+        if not schedules and candidate.built and not candidate.skipped:
+            candidate.skipped = (
+                f"{batch} sample(s) per replica for {candidate.layout.pp} stages: 1F1B needs one per stage"
+            )
+            result.candidates.append(candidate)
+        for layout, schedule in schedules:
             values = {**vars(layout), **vars(schedule)}
             if any(values[k] != v for k, v in fixed.items()):
                 continue

@@ -113,6 +113,10 @@ def test_a_global_batch_is_split_over_the_replicas() -> None:
     assert by_layout[Layout(dp=4)].time.samples == 8 and by_layout[Layout(dp=2, tp=2)].time.samples == 8
     odd = _plan(Blocks(), world=4, per_node=4, global_batch=2)  # 2 samples over dp 4: no whole sample each
     assert any("does not divide over dp=4" in (c.skipped or "") for c in odd.candidates)
+    # 2 samples for 4 stages: no schedule 1F1B can run (the strategy refuses pipeline_chunks < stages)
+    assert any(c.skipped == "2 sample(s) per replica for 4 stages: 1F1B needs one per stage" for c in odd.candidates)
+    piped = [c for c in result.candidates + odd.candidates if c.time is not None and c.layout.pp > 1]
+    assert piped and all(c.schedule.micro_batches >= c.layout.pp for c in piped)
 
 
 def test_no_layout_that_fits_is_an_error_naming_the_smallest_and_its_memory() -> None:
@@ -124,13 +128,13 @@ def test_no_layout_that_fits_is_an_error_naming_the_smallest_and_its_memory() ->
 
 def test_sgdtp_plan_prints_the_table_from_a_model_on_the_meta_device(capsys: pytest.CaptureFixture[str]) -> None:
     target = f"{REPO / 'examples' / 'gpt.py'}:GPTLightningModule"
-    assert main(["plan", target, "--gpus-per-node", "4", "--gpu-memory", "8MB", "--rows", "40"]) == 0
+    assert main(["plan", target, "--gpus-per-node", "4", "--gpu-memory", "8MB", "--batch", "8", "--rows", "60"]) == 0
     out = capsys.readouterr().out
     assert "layouts fit and are built (limit 7.63 MiB per rank; h100;" in out and "\nchosen: " in out
     assert "dp 1 x tp 2 x pp 2" in out and TP_NOT_WITH_PP in out
     assert main(["plan", target, "--nodes", "2", "--gpus-per-node", "2", "--json"]) == 0
     table = json.loads(capsys.readouterr().out)
-    assert table["limit"] == 80 * 2**30 and table["chosen"]["built"] and table["why"]
+    assert table["limit"] == 80 * 10**9 and table["chosen"]["built"] and table["why"]
     assert torch.empty(1).device.type == "cpu"  # the meta device was only the model's
 
 
@@ -147,7 +151,7 @@ def test_sgdtp_plan_plans_a_named_llama_shape_in_seconds(capsys: pytest.CaptureF
     )
     assert 6.9e9 < model["matmul_params"] < 7.6e9  # 8.03e9 parameters, the 0.53e9 of the input embedding excluded
     chosen = table["chosen"]
-    assert chosen["built"] and chosen["fits"] and chosen["memory"]["total"] <= 80 * 2**30
+    assert chosen["built"] and chosen["fits"] and chosen["memory"]["total"] <= 80 * 10**9
 
 
 def test_sgdtp_plan_names_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
