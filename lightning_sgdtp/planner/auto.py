@@ -45,7 +45,7 @@ def plan_at_setup(
     return resolved, result.to_dict(), lines
 
 
-def fixed_fields(config: SGDTPConfig, given: set[str], devices_per_node: int) -> dict[str, Any]:
+def fixed_fields(config: SGDTPConfig, given: set[str]) -> dict[str, Any]:
     """The planner's fields the user's options fix: a tensor-parallel size, pipeline stages and chunks, sharding,
     an int or ``"node"`` shard size, activation checkpointing (when given explicitly)."""
     fixed: dict[str, Any] = {}
@@ -58,7 +58,7 @@ def fixed_fields(config: SGDTPConfig, given: set[str], devices_per_node: int) ->
     if "sharding" in given:
         fixed["sharding"] = config.sharding
     if config.shard_size is not None:
-        fixed["shard_size"] = devices_per_node if config.shard_size == "node" else config.shard_size
+        fixed["shard_size"] = config.shard_size  # an int, or "node"
     if "activation_checkpointing" in given:
         fixed["checkpointing"] = config.activation_checkpointing
     return fixed
@@ -120,10 +120,16 @@ def decide(
 ) -> tuple[SGDTPConfig, Plan, list[str]]:
     """Plan ``module`` over the job's ranks; the resolved options, the whole table and one line per decision."""
     batch, tokens, source = batch_shape(module)
-    fixed = fixed_fields(config, given, devices_per_node)
+    fixed = fixed_fields(config, given)
     try:
         model = profile(module, tokens, batch, activation_bytes)
         result = plan(module, model, hardware, world_size, devices_per_node, config.max_memory_per_rank, fixed=fixed)
+        if not any(c.built and c.time is not None for c in result.candidates):
+            reasons = sorted({c.skipped for c in result.candidates if c.skipped}) or ["none"]
+            raise PlannerInputError(
+                f"no layout of {world_size} ranks keeps your options {fixed}: {'; '.join(reasons)}. Remove or"
+                " change the options that fix the layout."
+            )
         check_fits(result)
     except PlannerInputError as e:
         raise SGDTPConfigError(f"parallelism='auto': {e}") from e

@@ -179,18 +179,16 @@ def _heads(module: nn.Module, width: int) -> int:
     return max(width // 64, 1)
 
 
-def _matmul_params(module: nn.Module) -> tuple[int, set[int]]:
+def _matmul_params(module: nn.Module) -> int:
     """Weights that multiply: every 2-D or larger parameter of a module that is not an embedding table, and an
     embedding table that another module also uses (a tied head). Counted once per module that uses it."""
-    total, seen = 0, set()
-    for _, m in module.named_modules(remove_duplicate=False):
-        if isinstance(m, nn.Embedding):
-            continue
-        for p in m._parameters.values():
-            if p is not None and p.dim() >= 2:
-                total += p.numel()
-                seen.add(id(p))
-    return total, seen
+    return sum(
+        p.numel()
+        for _, m in module.named_modules(remove_duplicate=False)
+        if not isinstance(m, nn.Embedding)
+        for p in m._parameters.values()
+        if p is not None and p.dim() >= 2
+    )
 
 
 def profile(
@@ -202,8 +200,8 @@ def profile(
     found = find_block_stack(module)
     blocks = list(found[1].children()) if found is not None else [module]
     width = _width(blocks[0])
-    matmul, _ = _matmul_params(module)
-    block_matmul = sum(_matmul_params(b)[0] for b in blocks)
+    matmul = _matmul_params(module)
+    block_matmul = sum(_matmul_params(b) for b in blocks)
     tables = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
     return ModelProfile(
         blocks=len(blocks) if found is not None else 1,
@@ -217,6 +215,23 @@ def profile(
         batch=batch,
         activation_bytes=activation_bytes,
     )
+
+
+def tp_split_fraction(module: nn.Module, layout: Layout) -> float:
+    """The share of the weights that multiply which the automatic tensor plan splits over ``layout.tp`` ranks
+    (with sharding, embeddings and a head tied to one stay whole: ``memory``'s rule)."""
+    if layout.tp == 1:
+        return 1.0
+    from lightning_sgdtp.planner.memory import _tp_split
+
+    total = _matmul_params(module)
+    split = _tp_split(module, layout)
+    counted = 0
+    for _, m in module.named_modules(remove_duplicate=False):
+        if isinstance(m, nn.Embedding):
+            continue
+        counted += sum(p.numel() for p in m._parameters.values() if p is not None and p.dim() >= 2 and id(p) in split)
+    return counted / max(total, 1)
 
 
 # ------------------------------------------------------------------------------------------------ collectives
@@ -236,11 +251,10 @@ def send_s(nbytes: float, link: Link) -> float:
 # ------------------------------------------------------------------------------------------------ one step
 @dataclass(frozen=True)
 class Schedule:
-    """What the search adds to a :class:`Layout`: activation checkpointing, micro-batches, hybrid sharding."""
+    """What the search adds to a :class:`Layout`: activation checkpointing, micro-batches."""
 
     checkpointing: bool = False
     micro_batches: int = 1  # per step, with pipeline stages
-    shard_size: int | None = None  # hybrid sharding: ranks a parameter is split over (None: all of dp)
 
 
 @dataclass
@@ -288,19 +302,26 @@ def step_time(
     devices_per_node: int,
     held_param_bytes: int,
     schedule: Schedule = Schedule(),
+    tp_split: float = 1.0,
 ) -> StepTime:
     """Seconds of one step of ``layout`` on the slowest rank; ``held_param_bytes``: the fullest rank's parameters
-    before sharding divides them (``memory.predict_memory`` of the layout without sharding)."""
+    before sharding divides them (``memory.predict_memory`` of the layout without sharding); ``tp_split``: the share
+    of the weights that multiply which tensor parallel splits (:func:`tp_split_fraction`; the rest runs whole on
+    every tensor-parallel rank)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     tokens = model.batch * model.tokens
     share = stage_share(layout, model.blocks)
     # the fullest stage: its share of whole blocks, or an even share of everything (the head included) if larger
     stage_params = max(model.block_matmul_params * share, model.matmul_params / pp) if pp > 1 else model.matmul_params
-    per_token = 6 * stage_params
-    per_token += 12 * model.blocks * share * model.tokens * model.width  # attention scores and the weighted sum
+    split = 6 * stage_params * tp_split + 12 * model.blocks * share * model.tokens * model.width  # + attention
+    whole = 6 * stage_params * (1 - tp_split)  # what the tensor plan leaves replicated (a tied head, ...)
+    flops = split / tp + whole
+    # what is not a matmul (norms, activations, residual adds, dropout): ~20 activation-sized tensors read or
+    # written per block in forward, twice that in backward; not divided by tensor parallel (no sequence parallel)
+    moved = 60 * model.width * model.activation_bytes * model.blocks * share
     if schedule.checkpointing:
-        per_token *= 8 / 6
-    compute = tokens * per_token / tp / hardware.flops_per_s
+        flops, moved = flops * 8 / 6, moved * 4 / 3
+    compute = tokens * (flops / hardware.flops_per_s + moved / hardware.memory_bytes_per_s)
     out = StepTime(compute=compute, samples=model.batch * dp)
     act = tokens * model.width * model.activation_bytes  # one activation of the whole rank's batch
     stage_blocks = math.ceil(model.blocks * share)
@@ -313,7 +334,8 @@ def step_time(
         link = hardware.link_for(tp, devices_per_node)
         m = schedule.micro_batches if pp > 1 else 1
         per_block = (6 if schedule.checkpointing else 4) * m * all_reduce_s(act / m, tp, link)
-        out.tensor_parallel = stage_blocks * per_block
+        # and the stack's input and output (the embedding's, the head's gradient)
+        out.tensor_parallel = stage_blocks * per_block + 2 * m * all_reduce_s(act / m, tp, link)
     if dp > 1:
         out.data_parallel = _data_parallel_s(model, layout, hardware, devices_per_node, held_param_bytes, schedule, out)
     held_elements = held_param_bytes / 4 / (dp if layout.sharding != "none" else 1)
@@ -330,16 +352,18 @@ def _data_parallel_s(
     schedule: Schedule,
     step: StepTime,
 ) -> float:
-    """The data-parallel communication left exposed after what hides behind compute."""
+    """The data-parallel communication left exposed after what hides behind compute. With pipeline stages a
+    sharded stage reduce-scatters every micro-batch, and ``"full"`` gathers its parameters every micro-batch too."""
     tp, dp = layout.tp, layout.dp
-    shard = schedule.shard_size or dp
+    shard = layout.shard_group
+    m = schedule.micro_batches if layout.pp > 1 else 1
     link = hardware.link_for(tp * dp, devices_per_node)
     shard_link = hardware.link_for(tp * shard, devices_per_node)
     if layout.sharding == "none":
         comm = all_reduce_s(held, dp, link)
     else:
-        gathers = 2 if layout.sharding == "full" else 1
-        comm = (gathers + 1) * gather_s(held, shard, shard_link)
+        calls = 3 * m if layout.sharding == "full" else 1 + m  # gathers (forward, backward) + reduce-scatters
+        comm = calls * gather_s(held, shard, shard_link)
         if shard < dp:  # the replicas' gradient shards all-reduced across the groups
             comm += all_reduce_s(held / shard, dp // shard, link)
     last = comm * min(model.block_param_bytes / max(held, 1), 1.0)  # the last block's share waits in any case

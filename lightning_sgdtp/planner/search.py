@@ -30,6 +30,7 @@ from lightning_sgdtp.planner.cost import (
     StepTime,
     activation_bytes,
     step_time,
+    tp_split_fraction,
 )
 from lightning_sgdtp.planner.memory import SHARDINGS, Layout, RankMemory, predict_memory
 
@@ -169,6 +170,19 @@ def _schedules(
     ]
 
 
+def _matches(layout: Layout, schedule: Schedule, fixed: dict[str, Any], devices_per_node: int) -> bool:
+    """Whether a row keeps what the user fixed; ``shard_size``: a number of ranks, or ``"node"`` (the
+    data-parallel ranks of one node: all of them when the data-parallel group fits in one node)."""
+    values = {**vars(layout), **vars(schedule)}
+    for key, want in fixed.items():
+        if key == "shard_size" and want == "node":
+            per_node = max(devices_per_node // layout.tp, 1)
+            want = None if layout.dp <= per_node else per_node
+        if values[key] != want:
+            return False
+    return True
+
+
 @dataclass
 class Plan:
     """The table: every candidate with its prediction, the choosable ones first (fastest per sample first)."""
@@ -273,8 +287,10 @@ def plan(
     limit = parse_memory(given) if given is not None else None
     result = Plan(limit, hardware, model, global_batch=global_batch)
     memory: dict[Layout, RankMemory] = {}
+    split: dict[tuple[int, bool], float] = {}
     for candidate in candidate_layouts(world_size, devices_per_node, model.blocks):
-        if any(vars(candidate.layout).get(k, v) != v for k, v in fixed.items()):
+        sizes = {k: v for k, v in fixed.items() if k in ("dp", "tp", "pp", "sharding")}
+        if any(getattr(candidate.layout, k) != v for k, v in sizes.items()):
             continue  # a layout the user's options exclude, listed or not
         if candidate.skipped and candidate.built:
             result.candidates.append(candidate)
@@ -294,8 +310,7 @@ def plan(
             )
             result.candidates.append(candidate)
         for layout, schedule in schedules:
-            values = {**vars(layout), **vars(schedule)}
-            if any(values[k] != v for k, v in fixed.items()):
+            if not _matches(layout, schedule, fixed, devices_per_node):
                 continue
             row = Candidate(layout, schedule, skipped=candidate.skipped, built=candidate.built)
             if layout.shard_size and layout.pp > 1 and row.built:
@@ -310,7 +325,10 @@ def plan(
             row.memory = replace(memory[layout], activations=acts)
             row.fits = limit is None or row.memory.total <= limit
             held = memory[unsharded].parameters
-            row.time = step_time(profile, layout, hardware, devices_per_node, held, schedule)
+            key = (layout.tp, layout.sharding != "none")
+            if key not in split:
+                split[key] = tp_split_fraction(module, layout)
+            row.time = step_time(profile, layout, hardware, devices_per_node, held, schedule, split[key])
             result.candidates.append(row)
     result.candidates.sort(
         key=lambda c: (

@@ -21,6 +21,7 @@ from lightning_sgdtp.planner.cost import (
     measured_hardware,
     profile,
     step_time,
+    tp_split_fraction,
 )
 from lightning_sgdtp.planner.memory import Layout
 from lightning_sgdtp.planner.search import Candidate
@@ -62,10 +63,29 @@ def test_collectives_follow_the_ring_and_a_group_of_one_is_free() -> None:
 def test_compute_divides_over_tensor_parallel_and_checkpointing_recomputes_the_forward() -> None:
     model = profile(Stack(), tokens=16, batch=6)
     one = step_time(model, Layout(), H100, 8, 10_000)
-    assert step_time(model, Layout(tp=2), H100, 8, 10_000).compute == pytest.approx(one.compute / 2)
+    split = step_time(model, Layout(tp=2), H100, 8, 10_000)
+    assert one.compute / 2 < split.compute < one.compute  # norms and activations run whole on every rank
+    half = step_time(model, Layout(tp=2), H100, 8, 10_000, tp_split=0.5)  # a replicated head: not divided
+    assert half.compute > split.compute
     ckpt = step_time(model, Layout(), H100, 8, 10_000, Schedule(checkpointing=True))
     assert ckpt.compute == pytest.approx(one.compute * 8 / 6)
-    assert step_time(model, Layout(tp=2), H100, 8, 10_000).tensor_parallel > 0 == one.tensor_parallel
+    assert split.tensor_parallel > 0 == one.tensor_parallel
+    module = Stack()
+    assert 0 < tp_split_fraction(module, Layout(tp=2)) < 1  # what the automatic plan splits (here the head)
+    assert tp_split_fraction(module, Layout()) == 1.0
+
+
+def test_hybrid_sharding_and_a_pipeline_s_micro_batches_change_the_collectives() -> None:
+    model = profile(Stack(), tokens=16, batch=8)
+    cpu = dataclasses.replace(H100, overlap=0.0, network_link=Link(1e-4, 1e8))  # slow between nodes
+    flat = step_time(model, Layout(dp=8, sharding="full"), cpu, 4, 10**8).data_parallel
+    hsdp = step_time(model, Layout(dp=8, sharding="full", shard_size=4), cpu, 4, 10**8).data_parallel
+    assert hsdp < flat  # gathers inside a node, 1/4 of the gradient all-reduced across nodes
+    piped = [
+        step_time(model, Layout(dp=2, pp=2, sharding="full"), cpu, 8, 10**8, Schedule(micro_batches=m)).data_parallel
+        for m in (2, 4)
+    ]
+    assert piped[1] == pytest.approx(2 * piped[0], rel=0.01)  # gathered and reduce-scattered every micro-batch
 
 
 def test_the_bubble_shrinks_with_micro_batches_and_replicas_add_samples() -> None:
@@ -118,10 +138,10 @@ def test_the_batch_shape_comes_from_example_input_array() -> None:
 
 def test_options_the_user_gave_are_fixed_and_the_winner_becomes_checked_options() -> None:
     config = SGDTPConfig(parallelism="auto", sharding="full", tensor_parallel_size=2, shard_size="node")
-    assert fixed_fields(config, {"parallelism", "sharding", "tensor_parallel_size"}, 4) == {
-        "tp": 2, "sharding": "full", "shard_size": 4
+    assert fixed_fields(config, {"parallelism", "sharding", "tensor_parallel_size"}) == {
+        "tp": 2, "sharding": "full", "shard_size": "node"
     }  # fmt: skip
-    assert fixed_fields(SGDTPConfig(parallelism="auto"), {"parallelism"}, 4) == {}  # the defaults are not fixed
+    assert fixed_fields(SGDTPConfig(parallelism="auto"), {"parallelism"}) == {}  # the defaults are not fixed
     auto = SGDTPConfig(parallelism="auto", max_memory_per_rank="1GB")
     hybrid = configure(auto, Candidate(Layout(dp=2, tp=2, sharding="full")))
     assert (hybrid.parallelism, hybrid.tensor_parallel_size, hybrid.sharding) == ("hybrid", 2, "full")
@@ -143,6 +163,13 @@ def test_auto_plans_sharded_when_replicated_does_not_fit_and_says_why() -> None:
     assert [line.startswith("planner: next: ") for line in lines[1:]] == [True, True]
     with pytest.raises(SGDTPConfigError, match=r"parallelism='auto': no layout fits .* the smallest, .* needs"):
         decide(SGDTPConfig(parallelism="auto", max_memory_per_rank="10KB"), set(), module, 2, 2, H100, 4)
+    hsdp = SGDTPConfig(parallelism="auto", sharding="full", shard_size="node")  # 2 nodes of 2: groups of 2
+    resolved, result, _ = decide(hsdp, {"parallelism", "sharding", "shard_size"}, module, 4, 2, H100, 4)
+    rows = [c.layout for c in result.candidates if c.time is not None]
+    assert resolved.shard_size == 2 and rows  # "node": 2 ranks, or every dp rank where they fit in one node
+    assert all(lay.shard_size == 2 or lay.dp * lay.tp <= 2 for lay in rows), rows
+    with pytest.raises(SGDTPConfigError, match=r"no layout of 2 ranks keeps your options \{'tp': 4\}"):
+        decide(SGDTPConfig(parallelism="auto", tensor_parallel_size=4), {"parallelism"}, module, 2, 2, H100, 4)
 
 
 def test_a_memory_limit_needs_the_planner_and_a_unit() -> None:
