@@ -122,7 +122,10 @@ def _plan(args: argparse.Namespace) -> int:
     except (TargetError, PlannerInputError, ValueError) as e:
         print(f"sgdtp plan: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result.to_dict(), indent=1) if args.json else "\n".join(result.describe(args.rows)))
+    try:
+        print(json.dumps(result.to_dict(), indent=1) if args.json else "\n".join(result.describe(args.rows)))
+    except BrokenPipeError:  # `sgdtp plan ... | head`: the reader has what it wanted
+        sys.stderr.close()
     return 0
 
 

@@ -257,6 +257,12 @@ class Plan:
         head = [f"{fit} of {len(self.candidates)} layouts fit and are built ({limit}; {self.hardware.name}; {batch})"]
         if self.best:
             head.append(f"chosen: {self.best.describe()}: {self.why()}")
+        else:
+            smallest = self.smallest()
+            need = f", needs {size_text(smallest.memory.total)}" if smallest and smallest.memory else ""
+            head.append(
+                f"none chosen: no built layout fits; the smallest, {smallest.describe() if smallest else 'none'}{need}"
+            )
         shown = self.candidates if rows is None else self.candidates[:rows]
         return head + [self.line(c) for c in shown]
 
