@@ -179,15 +179,16 @@ def _heads(module: nn.Module, width: int) -> int:
     return max(width // 64, 1)
 
 
-def _matmul_params(module: nn.Module) -> int:
+def _matmul_params(module: nn.Module, among: set[int] | None = None) -> int:
     """Weights that multiply: every 2-D or larger parameter of a module that is not an embedding table, and an
-    embedding table that another module also uses (a tied head). Counted once per module that uses it."""
+    embedding table that another module also uses (a tied head). Counted once per module that uses it; only the
+    parameters whose ids are in ``among``, if given."""
     return sum(
         p.numel()
         for _, m in module.named_modules(remove_duplicate=False)
         if not isinstance(m, nn.Embedding)
         for p in m._parameters.values()
-        if p is not None and p.dim() >= 2
+        if p is not None and p.dim() >= 2 and (among is None or id(p) in among)
     )
 
 
@@ -224,14 +225,7 @@ def tp_split_fraction(module: nn.Module, layout: Layout) -> float:
         return 1.0
     from lightning_sgdtp.planner.memory import _tp_split
 
-    total = _matmul_params(module)
-    split = _tp_split(module, layout)
-    counted = 0
-    for _, m in module.named_modules(remove_duplicate=False):
-        if isinstance(m, nn.Embedding):
-            continue
-        counted += sum(p.numel() for p in m._parameters.values() if p is not None and p.dim() >= 2 and id(p) in split)
-    return counted / max(total, 1)
+    return _matmul_params(module, _tp_split(module, layout)) / max(_matmul_params(module), 1)
 
 
 # ------------------------------------------------------------------------------------------------ collectives

@@ -164,18 +164,17 @@ def predict_memory(module: nn.Module, layout: Layout, optimizer_states: int = 2)
     if layout.sharding != "none" and layout.dp == 1:
         raise LayoutError(f"sharding={layout.sharding!r} splits over the data-parallel ranks, and dp=1 has none")
     tp_split = _tp_split(module, layout)
-    fullest = max(
-        sum(_bytes_on_rank(p, layout, tp_split) for p in stage.values()) for stage in _stages(module, layout.pp)
-    )
+    stages = _stages(module, layout.pp)
+
+    def fullest_stage(lay: Layout) -> int:
+        return max(sum(_bytes_on_rank(p, lay, tp_split) for p in stage.values()) for stage in stages)
+
+    fullest = fullest_stage(layout)
     gathered = 0
     if layout.sharding == "full":
         gathered = _largest_block(module, layout, tp_split)
     elif layout.sharding == "optimizer":  # the parameters are whole during the step: the rest of them gathered
-        whole = Layout(dp=layout.dp, tp=layout.tp, pp=layout.pp)
-        gathered = (
-            max(sum(_bytes_on_rank(p, whole, tp_split) for p in stage.values()) for stage in _stages(module, layout.pp))
-            - fullest
-        )
+        gathered = fullest_stage(Layout(dp=layout.dp, tp=layout.tp, pp=layout.pp)) - fullest
     # every parameter counted as trainable (a gradient and optimizer state each): frozen ones are not told apart yet
     return RankMemory(fullest, fullest, optimizer_states * fullest, gathered)
 
