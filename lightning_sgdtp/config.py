@@ -88,7 +88,9 @@ class SGDTPConfig:
             as a full all-reduce, and on CUDA it stays off until a GPU run of ``benchmarks/gpu_check.py`` passes
             (``docs/hardware.md``). ``True``: on. Applied only where it is correct; see the plan's log line.
         pipeline_stages: ranks per pipeline (pipeline-parallel size, >= 2); data parallel runs across the
-            pipelines (``devices / pipeline_stages`` replicas). ``None`` with ``pipeline_chunks`` set: one
+            pipelines (``devices / pipeline_stages`` replicas). With ``parallelism="tensor"`` every rank of a stage
+            is in its tensor-parallel group; with ``"hybrid"``, ``tensor_parallel_size`` ranks of a stage are
+            (pipeline x data x tensor, 3-D). ``None`` with ``pipeline_chunks`` set: one
             pipeline per node when there are several nodes (each stage across nodes, data parallel inside
             them), else all ranks. See ``docs/pipeline-parallel.md``.
         pipeline_chunks: micro-batches per step (the batch each rank loads is cut into this many); the global
@@ -289,10 +291,11 @@ class SGDTPConfig:
                 "compile_cache with pipeline parallelism is not available yet (each micro-batch shape compiles its"
                 " stages at the first step). Remove compile_cache, or train without pipeline_stages."
             )
-        if self.parallelism not in ("data", "auto"):
-            raise NotAvailableYetError(
-                f"pipeline parallelism with parallelism={self.parallelism!r} (3-D: pipeline x tensor x data) is not"
-                " available yet; pipeline x data parallel is. Use parallelism='data' with pipeline_stages."
+        if self.parallelism == "hybrid" and self.tensor_parallel_size in (None, "auto"):
+            raise SGDTPConfigError(
+                "parallelism='hybrid' with pipeline stages needs tensor_parallel_size (ranks per tensor-parallel"
+                " group inside each stage, e.g. 2): 'auto' sizes a group by the node's fast links, which the stages"
+                " share. Set tensor_parallel_size, or use parallelism='tensor' (every rank of a stage in its group)."
             )
         for name, value, least in (("pipeline_stages", stages, 2), ("pipeline_chunks", chunks, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):

@@ -6,8 +6,7 @@ process group is built once at setup (:meth:`ParallelDims.build_meshes`) and ask
 ``dims.tp_mesh``, ...): no engine, pass or report indexes a mesh by a string or builds one.
 
 Data parallel is ``dp = dp_replicate x dp_shard``: the ranks a parameter is split over (``sharding``) and the
-groups of them that hold replicas (``shard_size``: hybrid sharding). Two shapes of grid exist today (pipeline x
-tensor x data, 3-D, is refused by the config):
+groups of them that hold replicas (``shard_size``: hybrid sharding). Three shapes of grid exist:
 
 - tensor / hybrid: a ``dp x tp`` grid, one row per tensor-parallel group. The rows come from
   :func:`lightning_sgdtp.topology.rank_layout`: each group lies on the fastest links of one node; data parallel
@@ -16,6 +15,10 @@ tensor x data, 3-D, is refused by the config):
   them where the nodes allow it: a stage sends one activation per micro-batch to its neighbour, while data
   parallel all-reduces every gradient, so the fast intra-node links go to data parallel. Rank ``r`` is stage
   ``r // dp`` of pipeline ``r % dp``.
+- pipeline x data x tensor: a ``pp x dp x tp`` grid (``parallelism="tensor"`` or ``"hybrid"`` with pipeline
+  stages). Tensor parallel is innermost: a stage's tensor-parallel group is ``tp`` consecutive ranks (one node's
+  fast links, as the launchers number ranks node by node), its replicas next, the stages outermost. Rank ``r`` is
+  stage ``r // (dp * tp)``, replica ``r // tp % dp``, tensor-parallel rank ``r % tp``.
 
 Data parallel alone has no grid: every rank is a replica, the data-parallel group is the world.
 """
@@ -35,8 +38,9 @@ from lightning_sgdtp.topology import Topology, TopologyError, rank_layout
 class Meshes:
     """The meshes and groups of one :class:`ParallelDims`, built once at setup (every rank builds them together).
 
-    ``world``: the 2-D ``DeviceMesh`` over the grid (``("dp", "tp")`` or ``("pp", "dp")``), None for data parallel
-    alone; ``shard``: what sharded parameters are split over (the ``dp`` mesh, or the 2-D
+    ``world``: the ``DeviceMesh`` over the grid (``("dp", "tp")``, ``("pp", "dp")``, ``("pp", "dp", "tp")`` or
+    hybrid sharding's ``("dp_replicate", "dp_shard", "tp")``), None for data parallel alone; ``dp_tp``: what a
+    tensor-parallel parameter is sharded over (the world, or its ``("dp", "tp")`` part in a pipeline); ``shard``: what sharded parameters are split over (the ``dp`` mesh, or the 2-D
     ``("dp_replicate", "dp_shard")`` mesh of hybrid sharding)."""
 
     world: Any | None = None
@@ -44,6 +48,7 @@ class Meshes:
     tp: Any | None = None
     pp: Any | None = None
     shard: Any | None = None
+    dp_tp: Any | None = None
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,9 @@ class ParallelDims:
     tp: int = 1
     #: Expert parallel (MoE experts split over ranks, inside data parallel): room for it; 1 today.
     ep: int = 1
-    #: Rows of global ranks: tensor-parallel groups (``dp x tp``) or stages (``pp x dp``); None: data parallel.
-    grid: list[list[int]] | None = None
+    #: Global ranks: rows of tensor-parallel groups (``dp x tp``) or of stages (``pp x dp``), or ``pp x dp x tp``
+    #: (a pipeline with tensor parallel: a list of ``dp x tp`` grids); None: data parallel.
+    grid: list[Any] | None = None
     #: With a pipeline: the stages of one pipeline (several per rank with the interleaved schedule) and the
     #: micro-batches per step; 0 without.
     stages: int = 0
@@ -158,10 +164,25 @@ class ParallelDims:
         if config.pipelined:
             pp = pipeline_size(config.pipeline_stages, world_size, num_nodes)
             config.check_pipeline_sizes(pp)
-            dp = world_size // pp
+            per_stage = world_size // pp
+            tp = (
+                1
+                if config.parallelism in ("data", "auto")
+                else tensor_parallel_size(config, per_stage, devices_per_node, None)
+            )
+            if config.parallelism in ("tensor", "hybrid") and tp == 1:
+                raise SGDTPConfigError(
+                    f"parallelism={config.parallelism!r} with {pp} pipeline stages on {world_size} ranks leaves one rank"
+                    f" per stage: no tensor-parallel group. Set pipeline_stages to {world_size} / (ranks per"
+                    " tensor-parallel group), e.g. pipeline_stages=2 with 4 ranks, or use parallelism='data'."
+                )
+            dp = per_stage // tp
+            grid: list[Any] = [[s * dp + d for d in range(dp)] for s in range(pp)]
+            if tp > 1:  # tensor parallel innermost: a group is tp consecutive ranks (one node's fast links)
+                grid = [[[s * per_stage + d * tp + t for t in range(tp)] for d in range(dp)] for s in range(pp)]
             stages = pipeline_stages(pp, config.pipeline_schedule, config.pipeline_stages_per_rank)
             return cls(
-                **base, pp=pp, **_data_parallel(config, dp, None), grid=[[s * dp + d for d in range(dp)] for s in range(pp)],
+                **base, pp=pp, **_data_parallel(config, dp, None), tp=tp, grid=grid,
                 stages=stages, micro_batches=config.pipeline_micro_batches(pp),
             )  # fmt: skip
         if config.parallelism == "data":
@@ -202,6 +223,7 @@ class ParallelDims:
         from torch.distributed.device_mesh import DeviceMesh
 
         world, names = None, self.mesh_dims or ()
+        dp_tp = None
         if self.hybrid_shard_enabled and self.tp_enabled:  # 3-D: the grid's dp rows as replicas x shards
             names = ("dp_replicate", "dp_shard", "tp")
             grid = torch.tensor(self.grid, dtype=torch.int).reshape(self.dp_replicate, self.dp_shard, self.tp)
@@ -211,6 +233,8 @@ class ParallelDims:
         elif self.mesh_dims is not None:
             world = DeviceMesh(device_type, torch.tensor(self.grid, dtype=torch.int), mesh_dim_names=self.mesh_dims)
             dp = shard = world["dp"]
+            if self.pp_enabled and self.tp_enabled:
+                dp_tp = world["dp", "tp"]
         else:
             dp = shard = None
         if self.hybrid_shard_enabled and not self.tp_enabled:  # rows: the groups a parameter is split over
@@ -218,7 +242,7 @@ class ParallelDims:
             shard = DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "dp_shard"))
         meshes = Meshes(
             world=world, dp=dp, tp=world["tp"] if "tp" in names else None, pp=world["pp"] if "pp" in names else None,
-            shard=shard,
+            shard=shard, dp_tp=dp_tp if dp_tp is not None else world if self.tp_enabled else None,
         )  # fmt: skip
         return dataclasses.replace(self, meshes=meshes)
 
@@ -249,8 +273,9 @@ class ParallelDims:
 
     @property
     def dp_tp_mesh(self) -> Any | None:
-        """With tensor parallel, the ``("dp", "tp")`` mesh a split parameter is sharded over (a 2-D DTensor)."""
-        return self._built().world if self.tp_enabled else None
+        """With tensor parallel, the ``("dp", "tp")`` mesh a split parameter is sharded over (a 2-D DTensor; 3-D
+        with hybrid sharding)."""
+        return self._built().dp_tp
 
     @property
     def dp_group(self) -> Any:
@@ -267,16 +292,19 @@ class ParallelDims:
 
     # ---------------------------------------------------------------------------------------- queries
     @property
-    def mesh_dims(self) -> tuple[str, str] | None:
-        """Names of the 2-D mesh's dimensions: ``("pp", "dp")``, ``("dp", "tp")``, or None (no mesh)."""
+    def mesh_dims(self) -> tuple[str, ...] | None:
+        """Names of the grid's dimensions: ``("pp", "dp")``, ``("pp", "dp", "tp")``, ``("dp", "tp")``, or None."""
         if self.pp_enabled:
-            return ("pp", "dp")
+            return ("pp", "dp", "tp") if self.tp_enabled else ("pp", "dp")
         return ("dp", "tp") if self.grid is not None else None
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """``{"pp": .., "dp": .., "tp": ..}`` of global ``rank``."""
         if self.grid is None:
             return {"pp": 0, "dp": rank, "tp": 0}
+        if self.pp_enabled and self.tp_enabled:
+            per_stage = self.dp * self.tp
+            return {"pp": rank // per_stage, "dp": rank // self.tp % self.dp, "tp": rank % self.tp}
         for row, ranks in enumerate(self.grid):
             if rank in ranks:
                 col = ranks.index(rank)
@@ -290,6 +318,12 @@ class ParallelDims:
 
     def describe(self, config: SGDTPConfig) -> str:
         """The one log line of this decision."""
+        if self.pp_enabled and self.tp_enabled:
+            return (
+                f"pipeline x data x tensor: {self.dp} pipeline(s) of {self.pp} stages, each stage on a tensor-parallel"
+                f" group of {self.tp} ranks ({self.stages} stages, {config.pipeline_schedule}, {self.micro_batches}"
+                f" micro-batches per step); grid pp x dp x tp {self.grid}"
+            )
         if self.pp_enabled:
             return (
                 f"pipeline: {self.dp} pipeline(s) of {self.pp} ranks ({self.stages} stages, {config.pipeline_schedule},"

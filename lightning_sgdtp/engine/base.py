@@ -239,7 +239,13 @@ class StepEngine(ABC):
         """The engine's part of ``strategy.plan``: tensor_parallel_plan, pipeline, activation_checkpointing, graphs."""
 
     def implicit_replication(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        """With split parameters, plain tensors met in the model (inputs, buffers, masks, rotary tables) count as
+        replicated: they are the same on every rank of a tensor-parallel group (DTensor's implicit replication)."""
+        if self.part_plan is None or not self.part_plan.implicit_replication:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        return implicit_replication()
 
     def close(self) -> None:
         """Forget the gradient sync (its hooks on the parameters)."""

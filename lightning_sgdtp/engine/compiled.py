@@ -14,7 +14,6 @@ all-reduces into its backward graph, and Lightning's backward call runs through 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import socket
 from collections.abc import Callable
@@ -164,15 +163,6 @@ class CompiledStep(StepEngine):
         self.report.announce(graph)
 
     # ------------------------------------------------------------------------------------------- steps
-    def implicit_replication(self) -> contextlib.AbstractContextManager:
-        """With split parameters, plain tensors met in the model (inputs, buffers, masks, rotary tables) count as
-        replicated: they are the same on every rank of a tensor-parallel group (DTensor's implicit replication)."""
-        if self.part_plan is None or not self.part_plan.implicit_replication:
-            return contextlib.nullcontext()
-        from torch.distributed.tensor.experimental import implicit_replication
-
-        return implicit_replication()
-
     def training_step(self, args: tuple, kwargs: dict, trainer: Any, optimizers: list) -> Any:
         """The compiled ``training_step`` (``trainer``, ``optimizers``: what the pipelined engine needs)."""
         with self.guard("training_step"):

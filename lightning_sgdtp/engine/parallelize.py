@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ from lightning_sgdtp.parallel.sharding import (
     share_reads,
     whole_for_tracing,
 )
+from lightning_sgdtp.parallel.stage_tensor import hook_stage, hooks_set_aside, recording_hooks
 from lightning_sgdtp.parallel.tensor import (
     TensorPlan,
     TensorPlanError,
@@ -79,6 +80,8 @@ class PartPlan:
 
     #: Tensor parallel (None: none, or applied already).
     tensor_plan: TensorPlan | None = None
+    #: A pipeline stage of a tensor-parallel module: its traced layers get the whole module's split hooks.
+    tensor_from_whole: bool = False
     sharding: ShardSettings | None = None
     #: Blocks to wrap for activation checkpointing (those the part holds are wrapped).
     checkpoint: tuple[str, ...] = ()
@@ -128,6 +131,8 @@ class Parallelized:
     """What :func:`parallelize` did: the blocks it wrapped, the sharding it applied, the compiled callables."""
 
     checkpointed: list[str] = field(default_factory=list)
+    #: A stage's layers that run the whole module's tensor-parallel hooks.
+    tensor_hooked: list[str] = field(default_factory=list)
     shard_plan: ShardPlan | None = None
     #: ``training_step`` compiled with each backend, in the order given (the compiled engine).
     steps: list[Callable[..., Any]] = field(default_factory=list)
@@ -170,7 +175,7 @@ def plan_part(
     skipped = _debug_skip_sync(config)
     dp_sync = skipped != "dp-sync"
     tensor_plan = None
-    if dims.tp_enabled and not is_tensor_parallel(module):  # fit, then validate/test: split once
+    if dims.tp_enabled and not stage and not is_tensor_parallel(module):  # fit, then validate/test: split once
         tensor_plan = _tensor_plan(config, dims.tp, module, device_type)
     sharding = None
     if config.sharded and (stage or not is_sharded(module)):
@@ -192,7 +197,7 @@ def plan_part(
     if skipped is not None and sharding is not None and not stage:
         notes = ("NEGATIVE CONTROL: the sharded parameters' gradients are NOT reduce-scattered",)
     return PartPlan(
-        tensor_plan, sharding, checkpoint,
+        tensor_plan, stage and dims.tp_enabled, sharding, checkpoint,
         compile="forward" if stage else "training_step" if whole and fitting else None,
         dp_sync=dp_sync, in_graph_sync=in_graph, prove_shards=dp_sync,
         # A measured plan's boundaries enter the graphs' cache key: with the compile cache (bundles other nodes
@@ -201,7 +206,7 @@ def plan_part(
         lock_compiles=lock if whole else None,
         clip="pipeline" if pipelined else "mesh" if dims.on_mesh else None,
         broadcast_buffers=config.broadcast_buffers and dims.dp_enabled,  # over the data-parallel group
-        implicit_replication=whole and dims.on_mesh,
+        implicit_replication=(whole and dims.on_mesh) or (pipelined and dims.tp_enabled),
         skipped=skipped, notes=notes, part=part,
     )  # fmt: skip
 
@@ -320,7 +325,11 @@ def parallelize(
     done = Parallelized()
     # 1. tensor parallel: every later step sees the split parameters
     if plan.tensor_plan is not None:
-        apply_tensor_parallel(part, plan.tensor_plan, dims.tp_mesh)
+        with recording_hooks(part):  # a pipeline's stages, traced later, take the same hooks
+            apply_tensor_parallel(part, plan.tensor_plan, dims.tp_mesh)
+    elif plan.tensor_from_whole:
+        assert whole is not None, "a stage's split layers run the hooks of its whole module's"
+        done.tensor_hooked = hook_stage(part, whole)
     # 2. context parallel: here, once built (dims.cp_enabled)
     # 3. sharding over the data-parallel ranks (2-D with tensor parallel), before compile
     shard = plan.sharding
@@ -346,10 +355,13 @@ def parallelize(
     return done
 
 
-def tracing(plan: PartPlan, module: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
-    """What a pipeline's split traces ``module`` under: with sharding, its parameters whole (an all-gather per
-    traced shape), so that ``torch.export`` sees plain tensors."""
-    return (lambda: whole_for_tracing(module)) if plan.sharding is not None else contextlib.nullcontext
+@contextlib.contextmanager
+def tracing(module: nn.Module) -> Iterator[None]:
+    """What a pipeline's split traces ``module`` under: its parameters on a mesh (sharded, split by tensor
+    parallel) whole (an all-gather per traced shape) and tensor parallel's hooks set aside, so that
+    ``torch.export`` sees plain tensors. Nothing to do for a module of plain parameters."""
+    with whole_for_tracing(module), hooks_set_aside(module):
+        yield
 
 
 def is_tensor_parallel(module: nn.Module) -> bool:

@@ -35,6 +35,7 @@ from lightning_sgdtp.grad_sync import GradSync
 from lightning_sgdtp.parallel.clipping import clip_pipeline_grad_norm_
 from lightning_sgdtp.parallel.pipeline import PipelineRunner, check_pipeline_contract, replay_logs
 from lightning_sgdtp.parallel.pipeline_split import PipelineSplit, PipelineSplitError, plan_pipeline_split
+from lightning_sgdtp.parallel.stage_tensor import match_gradient_layouts
 
 
 class PipelinedStep(StepEngine):
@@ -46,6 +47,7 @@ class PipelinedStep(StepEngine):
         self.split: PipelineSplit | None = None
         self._zero_grad: Callable[..., Any] | None = None
         self._said_weighted = False
+        self.tensor_hooked: list[str] = []
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self, fitting: bool, accumulate: int) -> Callable[[list[Tensor], float], None]:
@@ -92,7 +94,7 @@ class PipelinedStep(StepEngine):
                 prepare=self._parallelize_stage,
                 measure=config.pipeline_balance == "measured",
                 on_split=self._on_split,
-                tracing=tracing(plan, module),
+                tracing=lambda: tracing(module),
             )
             self._on_split(split)
             _leave_cleanly_at_exit()
@@ -116,7 +118,14 @@ class PipelinedStep(StepEngine):
         assert self.split is not None and self.compiler is not None
         blocks = [b for stage_blocks in self.split.blocks_per_stage for b in stage_blocks]
         plan = plan_part(self.config, self.dims, stage, part="stage", stage_blocks=blocks, device_type=self.device.type)
-        wrapped = parallelize(stage, plan, self.dims, backends=[self.compiler], whole=self.module).checkpointed
+        done = parallelize(stage, plan, self.dims, backends=[self.compiler], whole=self.module)
+        hooked, wrapped = done.tensor_hooked, done.checkpointed
+        if hooked and hooked[0] not in self.tensor_hooked:  # once per stage, not per traced shape
+            self.tensor_hooked = sorted({*self.tensor_hooked, *hooked})
+            self.report.say(
+                f"tensor parallel in a stage: {len(hooked)} traced layer(s) ({hooked[0]} .. {hooked[-1]}) split over"
+                f" the stage's tensor-parallel group of {self.dims.tp}, with the whole module's parameters and hooks"
+            )
         if wrapped and wrapped[0] not in self.checkpointed:  # once per stage, not per traced shape
             self.checkpointed = sorted({*self.checkpointed, *wrapped})
             self.report.say(
@@ -141,7 +150,7 @@ class PipelinedStep(StepEngine):
         """One schedule of ``hook``; what ``self.log`` recorded on the last stage is logged on every rank."""
         assert self.runner is not None
         seen = len(self.runner.retraced)
-        with self.guard(hook):
+        with self.guard(hook), self.implicit_replication():
             result = self.runner.run(hook, batch, batch_idx, scale=scale)
         for traced in self.runner.retraced[seen:]:
             self.report.say(f"pipeline stages traced and compiled for {traced}")
@@ -190,6 +199,7 @@ class PipelinedStep(StepEngine):
         called: the schedule ran backward already; Lightning's hooks around it still run)."""
         assert self.runner is not None and self.grad_sync is not None
         with self.guard("pipeline gradient sync"):
+            match_gradient_layouts(self.runner.local_parameters)
             self.grad_sync.after_pipeline_backward(self.runner.local_parameters, self.runner.sum_tied_gradients)
 
     @property

@@ -21,37 +21,45 @@ from lightning_sgdtp.parallel.tensor import local_shard
 
 def global_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
     """The ``norm_type``-norm of all gradients of ``parameters`` as if none were split. Same on every rank."""
-
     norm_type = float(norm_type)
+    total = _sum_of_powers([p for p in parameters if p.grad is not None], norm_type)
+    return (total if math.isinf(norm_type) else total.pow(1.0 / norm_type)).float()
+
+
+def _sum_of_powers(params: list[Tensor], norm_type: float, holders: dict[int, int] | None = None) -> Tensor:
+    """``sum |g|^p`` (``max |g|`` for the inf-norm) over the gradients of ``params`` as if none were split (float64,
+    the same on every rank that holds these parameters). A gradient split over some mesh dimensions (sharded over
+    dp, tensor parallel over tp, or both) adds its parts over each of those dimensions' groups; a replicated
+    dimension holds copies and is not summed. ``holders[id(p)]``: the ranks that hold a parameter and will add
+    their parts too (a tied embedding and head on two pipeline stages); its part is divided by that."""
     is_inf = math.isinf(norm_type)
-    replicated = torch.zeros((), dtype=torch.float32)
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    replicated = torch.zeros((), dtype=torch.float64)
     # (mesh, the mesh dimensions the gradient is split over) -> (accumulated local part, the groups to sum over)
     split: dict[object, tuple[Tensor, list]] = {}
-    for p in parameters:
+    for p in params:
         g = p.grad
-        if g is None:
-            continue
-        local = local_shard(g).detach().float()
-        part = local.abs().max() if is_inf else local.abs().pow(norm_type).sum()
-        if local.numel() == 0:
-            part = torch.zeros((), dtype=torch.float32)
+        local = local_shard(g).detach().double()
+        part = (local.abs().max() if is_inf else local.abs().pow(norm_type).sum()).cpu() if local.numel() else None
+        if part is None:
+            part = torch.zeros((), dtype=torch.float64)
+        if not is_inf:
+            part = part / (holders or {}).get(id(p), 1)
         if _is_split_grad(g):
-            # Split over some mesh dimensions (sharded over dp, tensor parallel over tp, or both): the parts are
-            # summed over each of those dimensions' groups; a replicated dimension holds copies and is not summed.
             mesh = g.device_mesh
             dims = tuple(d for d, pl in enumerate(g.placements) if is_split(pl))
-            groups = [mesh.get_group(d) for d in dims]
-            acc, _ = split.get((mesh, dims), (torch.zeros((), dtype=torch.float32), groups))
-            acc = torch.maximum(acc, part.cpu()) if is_inf else acc + part.cpu()
-            split[(mesh, dims)] = (acc, groups)
+            acc, groups = split.get(
+                (mesh, dims), (torch.zeros((), dtype=torch.float64), [mesh.get_group(d) for d in dims])
+            )
+            split[(mesh, dims)] = (torch.maximum(acc, part) if is_inf else acc + part, groups)
         else:
-            replicated = torch.maximum(replicated, part.cpu()) if is_inf else replicated + part.cpu()
+            replicated = torch.maximum(replicated, part) if is_inf else replicated + part
     total = replicated
     for acc, groups in split.values():
         for group in groups:
-            dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(acc, op=op, group=group)
         total = torch.maximum(total, acc) if is_inf else total + acc
-    return total if is_inf else total.pow(1.0 / norm_type)
+    return total
 
 
 def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -73,28 +81,14 @@ def clip_pipeline_grad_norm_(
     norm_type: float = 2.0,
 ) -> Tensor:
     """Clip by the norm of the whole model when each rank of a pipeline holds some stages' parameters: each
-    rank's ``sum |g|^p`` is summed over the pipeline ``group``; a parameter ``holders[id(p)]`` ranks hold (a tied
-    embedding and head) counts once. The data-parallel replicas hold averaged, equal gradients: no reduce; with
-    sharding, each holds a shard of them, summed over the stage's data-parallel group."""
+    rank's ``sum |g|^p`` (its split gradients' parts added over the stage's data-parallel and tensor-parallel
+    groups first) is summed over the pipeline ``group``; a parameter ``holders[id(p)]`` ranks hold (a tied
+    embedding and head) counts once. The data-parallel replicas hold averaged, equal gradients: no reduce."""
     params = [p for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     is_inf = math.isinf(norm_type)
-    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-    whole, split = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    dp_group = None
-    for p in params:
-        g = local_shard(p.grad).detach().float()
-        part = (g.abs().max() if is_inf else g.abs().pow(norm_type).sum()).double().cpu() if g.numel() else 0.0
-        part = part / (1 if is_inf else (holders or {}).get(id(p), 1))
-        if _is_split_grad(p.grad):  # sharded over the stage's replicas (sharding=...): the shards add up
-            dp_group = p.grad.device_mesh.get_group(0)
-            split = torch.maximum(split, torch.as_tensor(part)) if is_inf else split + part
-        else:
-            whole = torch.maximum(whole, torch.as_tensor(part)) if is_inf else whole + part
-    if dp_group is not None:  # every replica of a stage holds the same parameters: all of them get here
-        dist.all_reduce(split, op=op, group=dp_group)
-    total = torch.maximum(whole, split) if is_inf else whole + split
-    dist.all_reduce(total, op=op, group=group)
+    total = _sum_of_powers(params, norm_type, holders)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
     norm = (total if is_inf else total.pow(1.0 / norm_type)).float()
     coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
     for p in params:

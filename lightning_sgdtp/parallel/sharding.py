@@ -339,8 +339,8 @@ def share_reads(part: nn.Module, source: nn.Module) -> None:
 
 @contextlib.contextmanager
 def whole_for_tracing(module: nn.Module) -> Iterator[None]:
-    """While tracing ``module`` with ``torch.export`` (the pipeline's split): each sharded parameter replaced by a
-    whole plain one with its values (an all-gather, once per traced shape); the shards are put back after.
+    """While tracing ``module`` with ``torch.export`` (the pipeline's split): each parameter on a mesh (sharded, or
+    split by tensor parallel) replaced by a whole plain one with its values (an all-gather, once per traced shape); the shards are put back after.
     Tied parameters stay one tensor, so the trace still sees them tied."""
     from torch.distributed.tensor import DTensor
 
@@ -349,7 +349,7 @@ def whole_for_tracing(module: nn.Module) -> Iterator[None]:
     try:
         for mod in module.modules():
             for attr, p in list(mod._parameters.items()):
-                if isinstance(p, DTensor) and getattr(p, MARK, False):
+                if isinstance(p, DTensor):  # sharded, or split by tensor parallel
                     if id(p) not in whole:
                         whole[id(p)] = nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad)
                     swapped.append((mod, attr, p))

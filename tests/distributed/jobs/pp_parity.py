@@ -45,7 +45,9 @@ STEPS, BATCH = 6, 8
 
 def dp_size(kwargs: dict[str, Any], devices: int) -> int:
     pipelined = "pipeline_stages" in kwargs or "options" in kwargs
-    return devices // kwargs.get("pipeline_stages", devices) if pipelined else devices
+    per_stage = devices // kwargs.get("pipeline_stages", devices) if pipelined else devices
+    tp = {"tensor": per_stage, "hybrid": kwargs.get("tensor_parallel_size", 1)}.get(kwargs.get("parallelism"), 1)
+    return per_stage // tp
 
 
 def runner(strategy: SGDTPStrategy) -> Any:
