@@ -62,6 +62,7 @@ MODES: dict[str, Mode] = {
     "hybrid": Mode({"parallelism": "hybrid", "tensor_parallel_size": 2}, 4),
     "pipeline": Mode({"pipeline_stages": 2}, 2),
     "pipeline x data": Mode({"pipeline_stages": 2}, 4),
+    "pipeline x tensor": Mode({"pipeline_stages": 2, "parallelism": "tensor"}, 4),
 }
 
 #: The rows, with what a test must check to count for the row.

@@ -236,11 +236,14 @@ class PipelinedStep(StepEngine):
     # -------------------------------------------------------------------------------------------- plan
     def plan(self) -> dict[str, Any]:
         runner = self.runner
+        tensor_plan = self.part_plan.tensor_plan if self.part_plan is not None else None
         return {
-            "tensor_parallel_plan": None,
+            "tensor_parallel_plan": tensor_plan.to_dict() if tensor_plan is not None else None,
             "pipeline": {
                 "pp_size": self.dims.pp,
                 "dp_size": self.dims.dp,
+                "tp_size": self.dims.tp,
+                "tensor_parallel_layers": list(self.tensor_hooked),
                 "schedule": self.config.pipeline_schedule,
                 "chunks": self.dims.micro_batches,
                 "split": self.split.to_dict() if self.split is not None else None,

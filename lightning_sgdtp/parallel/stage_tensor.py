@@ -88,8 +88,8 @@ def hook_stage(stage: nn.Module, whole: nn.Module) -> list[str]:
     hooked: list[str] = []
     for h in whole.__dict__.get(HOOKS, []):
         target = named.get(h.module)
-        if target is None:
-            continue  # on another stage
+        if target is None or type(target) is nn.Module:
+            continue  # on another stage, or a holder of a tied parameter that this stage does not call
         fn = _hook_fn(whole, h)
         if h.pre:
             target.register_forward_pre_hook(fn, with_kwargs=h.with_kwargs)

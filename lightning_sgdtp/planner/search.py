@@ -45,7 +45,7 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
-TP_NOT_WITH_PP = "tensor parallel with pipeline stages (3-D) is not built yet"
+CKPT_NOT_WITH_TP = "activation checkpointing with tensor parallel is not built yet (torch 2.13's AOTAutograd)"
 HSDP_NOT_WITH_PP = "hybrid sharding (shard_size) with pipeline stages is not built yet"
 #: What ``fixed`` may hold: the fields of a layout and of its schedule.
 FIXABLE = ("dp", "tp", "pp", "sharding", "shard_size", "checkpointing", "micro_batches")
@@ -141,8 +141,6 @@ def candidate_layouts(world_size: int, devices_per_node: int, blocks: int) -> li
                     )
                 elif pp > blocks:
                     candidate.skipped = f"pp={pp} stages for {blocks} blocks: every stage needs one"
-                elif tp > 1 and pp > 1:
-                    candidate.skipped, candidate.built = TP_NOT_WITH_PP, False
                 out.append(candidate)
     return out
 
@@ -150,8 +148,8 @@ def candidate_layouts(world_size: int, devices_per_node: int, blocks: int) -> li
 def _schedules(
     layout: Layout, batch: int, devices_per_node: int, blocks: int, built: bool
 ) -> list[tuple[Layout, Schedule]]:
-    """What a layout leaves open: checkpointing (of a block stack; the strategy does not build it with tensor
-    parallel, a layout not built yet is predicted with it too), micro-batches (stages x 1, 2, 4, 8, or one sample
+    """What a layout leaves open: checkpointing (of a block stack; with tensor parallel it is predicted and marked
+    not built), micro-batches (stages x 1, 2, 4, 8, or one sample
     each: whole samples dividing the batch, at least one per stage as 1F1B needs; none: the batch is too small for
     the pipeline), hybrid sharding over one node's ranks."""
     layouts = [layout]
@@ -165,7 +163,7 @@ def _schedules(
     return [
         (lay, Schedule(checkpointing=ckpt, micro_batches=m))
         for lay in layouts
-        for ckpt in ((False, True) if (layout.tp == 1 or not built) and blocks > 1 else (False,))
+        for ckpt in ((False, True) if blocks > 1 else (False,))
         for m in chunks
     ]
 
@@ -321,6 +319,8 @@ def plan(
             row = Candidate(layout, schedule, skipped=candidate.skipped, built=candidate.built)
             if layout.shard_size and layout.pp > 1 and row.built:
                 row.skipped, row.built = HSDP_NOT_WITH_PP, False
+            if layout.tp > 1 and schedule.checkpointing and row.built:
+                row.skipped, row.built = CKPT_NOT_WITH_TP, False
             if layout not in memory:
                 memory[layout] = predict_memory(module, layout, optimizer_states)
             unsharded = replace(layout, sharding="none", shard_size=None)

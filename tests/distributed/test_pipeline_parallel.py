@@ -84,6 +84,19 @@ CASES = {
         {**PP2, "pipeline_schedule": "1f1b", "sharding": "full"},
         {"gradient_clip_val": 0.3, **VAL},
     ),
+    "pp2_tp2_1f1b": Case(
+        "pp=2 x tp=2 on 4 ranks (parallelism='tensor'): each stage split over its tensor-parallel group, tied"
+        " embedding and head split on two stages, clipping, validation",
+        4,
+        {**PP2, "pipeline_schedule": "1f1b", "parallelism": "tensor"},
+        {"gradient_clip_val": 0.3, **VAL},
+    ),
+    "pp2_dp2_tp2_sharded_full": Case(
+        "pp=2 x dp=2 x tp=2 on 8 ranks (parallelism='hybrid', sharding='full': FSDP x TP x PP), clipping, validation",
+        8,
+        {**PP2, "pipeline_schedule": "1f1b", "parallelism": "hybrid", "tensor_parallel_size": 2, "sharding": "full"},
+        {"gradient_clip_val": 0.3, **VAL},
+    ),
     "options_dict_ckpt_measured": Case(
         "the design documents' options dict, measured balance, activation checkpointing",
         2,
@@ -116,8 +129,24 @@ SLOW = {
     "1f1b_bf16",
     "1f1b_short_last_batch",
     "pp2_dp2_1f1b",
+    "pp2_dp2_tp2_sharded_full",
 }
 _RESULTS: dict[str, dict] = {}
+
+
+def _sizes(case: Case) -> tuple[int, int, int]:
+    """(stages, data-parallel size, tensor-parallel size) of a case."""
+    options = case.sgdtp
+    stages = options.get("pipeline_stages", 2)
+    per_stage = case.devices // stages
+    tp = {"tensor": per_stage, "hybrid": options.get("tensor_parallel_size", 1)}.get(options.get("parallelism"), 1)
+    return stages, per_stage // tp, tp
+
+
+def _held_share(case: Case) -> float:
+    """The share of the module's parameter bytes a rank holds when its layout divides them as asked."""
+    stages, dp, tp = _sizes(case)
+    return 1.0 / (stages * tp * (dp if case.sgdtp.get("sharding", "none") != "none" else 1))
 
 
 def result(name: str, tmp_path_factory: pytest.TempPathFactory, case: Case | None = None, **env: str) -> dict:
@@ -133,6 +162,10 @@ def result(name: str, tmp_path_factory: pytest.TempPathFactory, case: Case | Non
 @pytest.mark.covers("pipeline", "bf16-mixed", param="1f1b_bf16")
 @pytest.mark.covers("pipeline x data", "gradient clipping", param="pp2_dp2_sharded_full", note="sharding='full'")
 @pytest.mark.covers("pipeline x data", "gradient clipping", param="pp2_dp2_1f1b")
+@pytest.mark.covers("pipeline x tensor", "gradient clipping", param="pp2_tp2_1f1b")
+@pytest.mark.covers(
+    "pipeline x tensor", "gradient clipping", param="pp2_dp2_tp2_sharded_full", note="8 ranks, x data, sharding='full'"
+)
 @pytest.mark.parametrize("name", tiered(list(CASES), SLOW))
 def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     case = CASES[name]
@@ -150,6 +183,12 @@ def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFac
     if stages > 1:
         for held in r["info"]["held"]:
             assert held["parameters"] <= 0.6 * whole and held["optimizer"] <= 0.6 * 2 * whole, (held, whole)
+    # with tensor parallel a stage's parameters are split over its group too (and sharded over its replicas):
+    # 1 / (pp x tp [x dp]) of the module, plus what stays whole (positions, norms: 2% of it)
+    share = _held_share(case)
+    for held in r["info"]["held"]:
+        assert held["parameters"] <= 1.25 * share * whole, (held, whole, share)
+        assert held["optimizer"] <= 1.25 * share * 2 * whole, (held, whole, share)
     # gather_pipeline_stages() asked for: model.state_dict() is the trained model on every rank
     assert all(r["info"]["whole_on_every_rank"])
     if "gradient_clip_val" in case.trainer:
@@ -160,6 +199,7 @@ def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFac
 @pytest.mark.covers("pipeline", "validate", param="1f1b_2x4")
 @pytest.mark.covers("pipeline x data", "validate", param="pp2_dp2_sharded_full", note="sharding='full'")
 @pytest.mark.covers("pipeline x data", "validate", param="pp2_dp2_1f1b")
+@pytest.mark.covers("pipeline x tensor", "validate", param="pp2_tp2_1f1b")
 @pytest.mark.parametrize("name", tiered(list(CASES), SLOW))
 def test_every_rank_logs_what_the_reference_logs(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     case = CASES[name]
@@ -195,7 +235,7 @@ def test_the_plan_says_what_was_decided(name: str, tmp_path_factory: pytest.Temp
     assert split["tied"] == [["model.tok_emb.weight", "model.lm_head.weight"]]
     if case.sgdtp.get("pipeline_schedule") != "interleaved_1f1b":  # one stage per rank: two blocks each
         assert split["blocks_per_stage"] == TWO_STAGES
-    assert pipeline["dp_size"] == case.devices // 2  # pipelines of 2 stages, data parallel over the rest
+    assert pipeline["dp_size"] == _sizes(case)[1]  # pipelines of 2 stages, data parallel over the rest
 
 
 @pytest.mark.slow

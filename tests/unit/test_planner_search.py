@@ -14,8 +14,8 @@ from lightning_sgdtp.cli import main
 from lightning_sgdtp.planner.cost import HARDWARE, profile
 from lightning_sgdtp.planner.memory import Layout
 from lightning_sgdtp.planner.search import (
+    CKPT_NOT_WITH_TP,
     HSDP_NOT_WITH_PP,
-    TP_NOT_WITH_PP,
     Plan,
     PlannerInputError,
     candidate_layouts,
@@ -55,7 +55,7 @@ def test_every_layout_of_the_world_size_is_listed_and_what_is_not_built_says_why
     assert layouts[Layout(dp=2, tp=8)] is None  # one node per tensor-parallel group
     assert "does not divide 8" in layouts[Layout(tp=16)]  # across nodes
     assert "every stage needs one" in layouts[Layout(dp=2, pp=8)]  # 8 stages, 4 blocks
-    assert layouts[Layout(dp=2, tp=2, pp=4)] == TP_NOT_WITH_PP  # predicted, not built
+    assert layouts[Layout(dp=2, tp=2, pp=4)] is None  # pipeline x data x tensor: built
     assert not [c for c in candidates if c.layout.dp == 1 and c.layout.sharding != "none"]  # nothing to shard over
     with pytest.raises(PlannerInputError, match="multiple of the devices per node"):
         candidate_layouts(world_size=12, devices_per_node=8, blocks=4)
@@ -90,11 +90,18 @@ def test_the_layouts_that_fit_come_first_fastest_per_sample_first() -> None:
 
 def test_what_is_not_built_is_predicted_and_never_chosen() -> None:
     result = _plan(Blocks(), world=16, per_node=4)  # 4 nodes: hybrid sharding inside each
-    three_d = [c for c in result.candidates if c.layout.tp > 1 and c.layout.pp > 1 and c.memory is not None]
-    assert three_d and all(not c.built and c.skipped == TP_NOT_WITH_PP and c.time and c.memory for c in three_d)
+    three_d = [c for c in result.candidates if c.layout.tp > 1 and c.layout.pp > 1 and not c.layout.shard_size]
+    assert three_d and all(c.built != c.schedule.checkpointing for c in three_d)  # pp x dp x tp: built
+    ckpt_tp = [c for c in result.candidates if c.layout.tp > 1 and c.schedule.checkpointing]
+    assert ckpt_tp and all(not c.built and c.time and c.memory for c in ckpt_tp)
+    assert {c.skipped for c in ckpt_tp} == {CKPT_NOT_WITH_TP, HSDP_NOT_WITH_PP}
     hsdp_pp = [c for c in result.candidates if c.layout.shard_size and c.layout.pp > 1 and c.layout.tp == 1]
     assert hsdp_pp and all(c.skipped == HSDP_NOT_WITH_PP and not c.choosable for c in hsdp_pp)
-    hsdp_tp = [c for c in result.candidates if c.layout.shard_size and c.layout.tp > 1 and c.layout.pp == 1]
+    hsdp_tp = [
+        c
+        for c in result.candidates
+        if c.layout.shard_size and c.layout.tp > 1 and c.layout.pp == 1 and not c.schedule.checkpointing
+    ]
     assert hsdp_tp and all(c.built and not c.skipped for c in hsdp_tp)  # 3-D: dp_replicate x dp_shard x tp
     assert all(c.built for c in result.fitting) and result.best.built
 
@@ -131,7 +138,7 @@ def test_sgdtp_plan_prints_the_table_from_a_model_on_the_meta_device(capsys: pyt
     assert main(["plan", target, "--gpus-per-node", "4", "--gpu-memory", "8MB", "--batch", "8", "--rows", "60"]) == 0
     out = capsys.readouterr().out
     assert "layouts fit and are built (limit 7.63 MiB per rank; h100;" in out and "\nchosen: " in out
-    assert "dp 1 x tp 2 x pp 2" in out and TP_NOT_WITH_PP in out
+    assert "dp 1 x tp 2 x pp 2" in out and CKPT_NOT_WITH_TP in out
     assert main(["plan", target, "--nodes", "2", "--gpus-per-node", "2", "--json"]) == 0
     table = json.loads(capsys.readouterr().out)
     assert table["limit"] == 80 * 10**9 and table["chosen"]["built"] and table["why"]
