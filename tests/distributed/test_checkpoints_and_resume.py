@@ -169,10 +169,12 @@ PER_STAGE: dict[str, list[dict[str, Any]]] = {
     # 4 ranks: 2 pipelines, each stage split over its 2 replicas (DTensor shards) -> data parallel over 4 ranks,
     # replicated: another layout and another data-parallel size (shards of 2 read as whole tensors on 4 ranks)
     "resume_pp_sharded_to_dp4": [{**PP2, "sharding": "full"}, {}],
+    # 4 ranks: one pipeline of 2 stages, each split over its tensor-parallel group of 2 -> data parallel over 4
+    "resume_pp_tp_to_dp4": [{**PP2, "parallelism": "tensor"}, {}],
 }
-DEVICES = {"resume_pp_sharded_to_dp4": 4}
+DEVICES = {"resume_pp_sharded_to_dp4": 4, "resume_pp_tp_to_dp4": 4}
 #: Default run: pipeline -> no pipeline (one shard file per stage, resharded into a whole module).
-SLOW_STAGE = {"resume_pp_to_pp", "resume_pp_sharded_to_dp4"}
+SLOW_STAGE = {"resume_pp_to_pp", "resume_pp_sharded_to_dp4", "resume_pp_tp_to_dp4"}
 
 
 @pytest.mark.covers("pipeline", "resume on another layout", target="data", param="resume_pp_to_dp")
@@ -186,7 +188,11 @@ SLOW_STAGE = {"resume_pp_to_pp", "resume_pp_sharded_to_dp4"}
     note="sharding='full'; data on 4 ranks",
     param="resume_pp_sharded_to_dp4",
 )
+@pytest.mark.covers(
+    "pipeline x tensor", "resume on another layout", target="data", note="data on 4 ranks", param="resume_pp_tp_to_dp4"
+)
 @pytest.mark.covers("pipeline", "consolidate", param="resume_pp_to_dp")
+@pytest.mark.covers("pipeline x tensor", "consolidate", param="resume_pp_tp_to_dp4")
 @pytest.mark.covers("pipeline x data", "consolidate", note="sharding='full'", param="resume_pp_sharded_to_dp4")
 @pytest.mark.parametrize("case", tiered(list(PER_STAGE), SLOW_STAGE))
 def test_checkpoint_per_stage_resume_and_consolidate(case: str, tmp_path: Path) -> None:
