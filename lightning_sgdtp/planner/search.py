@@ -232,14 +232,15 @@ class Plan:
             "candidates": [c.to_dict() for c in self.candidates],
         }
 
-    def line(self, c: Candidate) -> str:
+    def line(self, c: Candidate, width: int = 52) -> str:
+        """One row of the table; ``width``: the layout column's (the longest name shown)."""
         if c.memory is None or c.time is None:
-            return f"  {c.describe():<52} skipped: {c.skipped}"
+            return f"  {c.describe():<{width}} skipped: {c.skipped}"
         mark = "fits" if c.fits else "too large"
         mark += "" if c.built else f"; not built: {c.skipped}"
         per = c.time.seconds_per_sample
         return (
-            f"  {c.describe():<52} {time_text(c.time.total):>9}/step {time_text(per):>9}/sample"
+            f"  {c.describe():<{width}} {time_text(c.time.total):>9}/step {time_text(per):>9}/sample"
             f" {size_text(c.memory.total):>11} ({mark})"
         )
 
@@ -262,7 +263,8 @@ class Plan:
                 f"none chosen: no built layout fits; the smallest, {smallest.describe() if smallest else 'none'}{need}"
             )
         shown = self.candidates if rows is None else self.candidates[:rows]
-        return head + [self.line(c) for c in shown]
+        width = max([52, *(len(c.describe()) for c in shown)])
+        return head + [self.line(c, width) for c in shown]
 
 
 def plan(
