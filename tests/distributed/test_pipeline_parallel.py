@@ -66,10 +66,10 @@ CASES = {
         "interleaved 1F1B, 4 stages (2 per rank) x 4 micro-batches", 2, {**PP2, "pipeline_schedule": "interleaved_1f1b"}
     ),
     "1f1b_accumulate_clip": Case(
-        "1F1B, accumulate_grad_batches=2 (8 micro-batches per optimizer step), clipping",
+        "1F1B, accumulate_grad_batches=2 (8 micro-batches per optimizer step), clipping, validation",
         2,
         PP2,
-        {"accumulate_grad_batches": 2, "gradient_clip_val": 0.3},
+        {"accumulate_grad_batches": 2, "gradient_clip_val": 0.3, **VAL},
     ),
     "pp2_dp2_1f1b": Case(
         "pp=2 x dp=2 on 4 ranks, 1F1B, clipping, validation",
@@ -119,10 +119,11 @@ CASES = {
 # The negative control: pp=2 x dp=2 with the data-parallel all-reduce switched off (the tied-weight sum still runs).
 NO_DP_SYNC = Case("pp=2 x dp=2 on 4 ranks, debug_skip_sync='dp-sync'", 4, {**PP2, "debug_skip_sync": "dp-sync"})
 #: The slow tier (tests/README.md): other schedules and options over the same stage split. The default run keeps
-#: 1F1B (with and without accumulation and clipping) and pp x dp with each stage sharded over its replicas (the one
-#: 4-rank pipeline job: pp x dp replicated, the same mesh and schedule with the all-reduce in place of the
-#: reduce-scatter, is slow).
+#: 1F1B with accumulation, clipping and validation on 2 ranks, pp x dp with each stage sharded over its replicas and
+#: pp x tp (the two 4-rank pipeline jobs: pp x dp replicated, the same mesh and schedule with the all-reduce in place
+#: of the reduce-scatter, is slow; so is FSDP x TP x PP on 8 ranks).
 SLOW = {
+    "1f1b_2x4",
     "gpipe_2x4",
     "interleaved_2x4",
     "options_dict_ckpt_measured",
@@ -196,6 +197,7 @@ def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFac
         assert norm > 0.3 * 2, norm  # clipping (gradient_clip_val=0.3) really acted, on the global norm
 
 
+@pytest.mark.covers("pipeline", "validate", param="1f1b_accumulate_clip", note="and accumulation")
 @pytest.mark.covers("pipeline", "validate", param="1f1b_2x4")
 @pytest.mark.covers("pipeline x data", "validate", param="pp2_dp2_sharded_full", note="sharding='full'")
 @pytest.mark.covers("pipeline x data", "validate", param="pp2_dp2_1f1b")
