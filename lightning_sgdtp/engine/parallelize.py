@@ -80,8 +80,6 @@ class PartPlan:
 
     #: Tensor parallel (None: none, or applied already).
     tensor_plan: TensorPlan | None = None
-    #: A pipeline stage of a tensor-parallel module: its traced layers get the whole module's split hooks.
-    tensor_from_whole: bool = False
     sharding: ShardSettings | None = None
     #: Blocks to wrap for activation checkpointing (those the part holds are wrapped).
     checkpoint: tuple[str, ...] = ()
@@ -111,6 +109,8 @@ class PartPlan:
     notes: tuple[str, ...] = ()
     #: Which part this plan is for: one of :data:`PARTS`.
     part: str = "model"
+    #: A pipeline stage of a tensor-parallel module: its traced layers get the whole module's split hooks.
+    tensor_from_whole: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -197,7 +197,7 @@ def plan_part(
     if skipped is not None and sharding is not None and not stage:
         notes = ("NEGATIVE CONTROL: the sharded parameters' gradients are NOT reduce-scattered",)
     return PartPlan(
-        tensor_plan, stage and dims.tp_enabled, sharding, checkpoint,
+        tensor_plan, sharding, checkpoint,
         compile="forward" if stage else "training_step" if whole and fitting else None,
         dp_sync=dp_sync, in_graph_sync=in_graph, prove_shards=dp_sync,
         # A measured plan's boundaries enter the graphs' cache key: with the compile cache (bundles other nodes
@@ -207,7 +207,7 @@ def plan_part(
         clip="pipeline" if pipelined else "mesh" if dims.on_mesh else None,
         broadcast_buffers=config.broadcast_buffers and dims.dp_enabled,  # over the data-parallel group
         implicit_replication=(whole and dims.on_mesh) or (pipelined and dims.tp_enabled),
-        skipped=skipped, notes=notes, part=part,
+        skipped=skipped, notes=notes, part=part, tensor_from_whole=stage and dims.tp_enabled,
     )  # fmt: skip
 
 

@@ -52,7 +52,12 @@ def test_explicit_keywords_win_over_options() -> None:
             SGDTPConfigError,
             ["multiple of", "5"],
         ),
-        ({"pipeline_stages": 2, "parallelism": "hybrid"}, NotAvailableYetError, ["pipeline x data"]),
+        ({"pipeline_stages": 2, "parallelism": "hybrid"}, SGDTPConfigError, ["tensor_parallel_size", "'tensor'"]),
+        (
+            {"pipeline_stages": 2, "sharding": "full", "shard_size": 2},
+            NotAvailableYetError,
+            ["shard_size=2", "pipeline stages"],
+        ),
         ({"pipeline_stages": 2, "compile_cache": "/tmp/c"}, NotAvailableYetError, ["compile_cache", "not available"]),
         ({"pipeline_stages": 2, "pipeline_split": ["a", "b"]}, SGDTPConfigError, ["2 names for 2 stages"]),
         ({"pipeline_stages": 2, "pipeline_split": "model.blocks.1"}, SGDTPConfigError, ["list of module names"]),
@@ -82,7 +87,7 @@ def test_invalid_options_name_the_option_and_the_fix(kwargs: dict, error: type, 
 @pytest.mark.parametrize(
     "options",
     [
-        {"distributed": {"plugin": "sgdtp", "strategy": "tensor", "pipeline_chunks": 4}},
+        {"distributed": {"plugin": "sgdtp", "strategy": "hybrid", "pipeline_chunks": 4}},
         {"distributed": {"plugin": "other"}},
         {"distributed": {"plugin": "sgdtp", "bucket_size": 3}},
         {"mode": "max-autotune"},

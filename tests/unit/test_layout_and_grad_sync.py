@@ -46,6 +46,25 @@ def test_pipeline_grid_rows_are_stages() -> None:
     assert ParallelLayout.resolve(SGDTPConfig(pipeline_chunks=8), 4, 4, 1).pp == 4
 
 
+def test_pipeline_with_tensor_parallel_has_a_3d_grid_tensor_parallel_innermost() -> None:
+    config = SGDTPConfig(parallelism="hybrid", tensor_parallel_size=2, pipeline_stages=2, sharding="full")
+    layout = ParallelLayout.resolve(config, 8, 4, 2)  # 2 nodes of 4: a stage's tensor-parallel group in one node
+    assert (layout.pp, layout.dp, layout.tp, layout.mesh_dims) == (2, 2, 2, ("pp", "dp", "tp"))
+    assert layout.grid == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert layout.coordinates(6) == {"pp": 1, "dp": 1, "tp": 0}
+    # the ranks of a tensor-parallel group and the stages of one pipeline read the same batches
+    assert (
+        layout.sampler_kwargs(2)
+        == layout.sampler_kwargs(3)
+        == layout.sampler_kwargs(7)
+        == {"num_replicas": 2, "rank": 1}
+    )
+    tensor = ParallelLayout.resolve(SGDTPConfig(parallelism="tensor", pipeline_stages=2), 4, 4, 1)
+    assert (tensor.pp, tensor.dp, tensor.tp, tensor.grid) == (2, 1, 2, [[[0, 1]], [[2, 3]]])
+    with pytest.raises(SGDTPConfigError, match="leaves one rank per stage: no tensor-parallel group"):
+        ParallelLayout.resolve(SGDTPConfig(parallelism="tensor", pipeline_stages=4), 4, 4, 1)
+
+
 def test_hybrid_grid_rows_are_tensor_parallel_groups() -> None:
     topo = detect("cpu", devices_per_node=2, num_nodes=2)
     layout = ParallelLayout.resolve(SGDTPConfig(parallelism="hybrid", tensor_parallel_size=2), 4, 2, 2, topo)
