@@ -101,7 +101,9 @@ def _plan(args: argparse.Namespace) -> int:
             key, _, value = item.partition("=")
             if key not in FIXABLE or not value:
                 raise PlannerInputError(f"--fix {item!r}: give NAME=VALUE with NAME one of {list(FIXABLE)}")
-            fixed[key] = value if key == "sharding" else value == "true" if key == "checkpointing" else int(value)
+            fixed[key] = (
+                value if key in ("sharding", "pipeline") else value == "true" if key == "checkpointing" else int(value)
+            )
         shape = SHAPES.get(args.target)
         if shape is not None:
             module = build(args.target)

@@ -239,6 +239,7 @@ class PipelinedStep(StepEngine):
         tensor_plan = self.part_plan.tensor_plan if self.part_plan is not None else None
         return {
             "tensor_parallel_plan": tensor_plan.to_dict() if tensor_plan is not None else None,
+            "tensor": dict(tensor_plan.coverage) if tensor_plan is not None else None,
             "pipeline": {
                 "pp_size": self.dims.pp,
                 "dp_size": self.dims.dp,

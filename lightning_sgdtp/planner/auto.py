@@ -55,6 +55,10 @@ def fixed_fields(config: SGDTPConfig, given: set[str]) -> dict[str, Any]:
         fixed["pp"] = config.pipeline_stages
     if config.pipeline_chunks is not None:
         fixed["micro_batches"] = config.pipeline_chunks
+    if "pipeline_schedule" in given:
+        fixed["pipeline"] = config.pipeline_schedule
+    if config.pipeline_stages_per_rank is not None:
+        fixed["stages_per_rank"] = config.pipeline_stages_per_rank
     if "sharding" in given:
         fixed["sharding"] = config.sharding
     if config.shard_size is not None:
@@ -106,6 +110,10 @@ def configure(config: SGDTPConfig, chosen: Candidate) -> SGDTPConfig:
     }
     if layout.pp > 1:
         values.update(pipeline_stages=layout.pp, pipeline_chunks=schedule.micro_batches)
+        values.update(pipeline_schedule=schedule.pipeline)
+        values.update(
+            pipeline_stages_per_rank=schedule.stages_per_rank if schedule.pipeline == "interleaved_1f1b" else None
+        )
     return dataclasses.replace(config, **values)
 
 

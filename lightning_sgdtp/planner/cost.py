@@ -16,8 +16,9 @@ The model of a step, on the slowest rank (every term is in :meth:`StepTime.to_di
 - compute: ``6 x parameters x tokens`` flops (forward 2, backward 4; 8 with activation checkpointing: the forward
   again) plus attention's ``12 x layers x sequence x width`` per token, over the ``tp`` ranks and the fullest stage's
   share of the blocks;
-- the pipeline bubble: ``(stages - 1) / micro-batches`` of the stage's compute (1F1B and GPipe alike), plus one
-  point-to-point send of a micro-batch's activation (and of its gradient) per micro-batch;
+- the pipeline bubble: ``(stages - 1) / micro-batches`` of the stage's compute (1F1B and GPipe alike; divided by
+  the stages per rank ``v`` with interleaved 1F1B, Narayanan et al. 2021), plus one point-to-point send of a
+  micro-batch's activation (and of its gradient) per micro-batch and stage a rank holds;
 - tensor parallel: per block, two all-reduces of the activation in forward and two in backward (Megatron's split;
   an all-gather and a reduce-scatter each with sequence parallel: the same bytes), not overlapped;
 - data parallel: the all-reduce of the gradients (replicated), or the reduce-scatter of the gradients and the
@@ -37,7 +38,8 @@ parallel, ``34 / t`` with sequence parallel): counted here in elements (17 per t
 tensor parallel), times the activation element size; the attention scores (``5 a s / h``) only where attention
 keeps them (``Hardware.flash_attention`` False: the CPU's math kernel). With checkpointing a block keeps its input
 only, plus one block's whole activations while it is recomputed. A pipeline's first stage keeps ``min(micro-batches,
-stages)`` micro-batches in flight with 1F1B. The logits (tokens x vocabulary, and their gradient in float32) are
+stages)`` micro-batches in flight with 1F1B (all of them with GPipe; 1F1B's times ``1 + (stages - 1) / (stages x v)``
+interleaved, Korthikanti et al. section 4.2.3). The logits (tokens x vocabulary, and their gradient in float32) are
 counted on the last stage.
 
 What it leaves out: compute that does not scale with parameters (normalisation, activation functions), mixture of
@@ -245,10 +247,22 @@ def send_s(nbytes: float, link: Link) -> float:
 # ------------------------------------------------------------------------------------------------ one step
 @dataclass(frozen=True)
 class Schedule:
-    """What the search adds to a :class:`Layout`: activation checkpointing, micro-batches."""
+    """What the search adds to a :class:`Layout`: activation checkpointing, micro-batches, the pipeline schedule
+    (``pipeline_schedule``: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``) and the stages each rank holds with
+    the interleaved one (``pipeline_stages_per_rank``)."""
 
     checkpointing: bool = False
     micro_batches: int = 1  # per step, with pipeline stages
+    pipeline: str = "1f1b"
+    stages_per_rank: int = 1
+
+    def describe(self) -> str:
+        """The pipeline schedule's words in a layout's name (1F1B, the default, unnamed)."""
+        if self.pipeline == "gpipe":
+            return ", GPipe"
+        if self.pipeline == "interleaved_1f1b":
+            return f", interleaved 1F1B x{self.stages_per_rank}"
+        return ""
 
 
 @dataclass
@@ -320,10 +334,10 @@ def step_time(
     act = tokens * model.width * model.activation_bytes  # one activation of the whole rank's batch
     stage_blocks = math.ceil(model.blocks * share)
     if pp > 1:
-        m = schedule.micro_batches
-        out.bubble = compute * (pp - 1) / m
+        m, v = schedule.micro_batches, schedule.stages_per_rank
+        out.bubble = compute * (pp - 1) / (m * v)
         link = hardware.link_for(tp * dp * pp, devices_per_node)
-        out.pipeline_sends = 2 * m * send_s(act / m / tp, link)
+        out.pipeline_sends = 2 * m * v * send_s(act / m / tp, link)
     if tp > 1:
         link = hardware.link_for(tp, devices_per_node)
         m = schedule.micro_batches if pp > 1 else 1
@@ -378,7 +392,11 @@ def activation_bytes(model: ModelProfile, layout: Layout, hardware: Hardware, sc
         per_token += 2.5 * a * s / h / tp
     one_block = tokens * h * per_token * model.activation_bytes
     blocks = math.ceil(model.blocks * stage_share(layout, model.blocks))
-    in_flight = min(m, pp) if pp > 1 else 1
+    in_flight = float(min(m, pp) if pp > 1 else 1)
+    if pp > 1 and schedule.pipeline == "gpipe":
+        in_flight = m  # every forward before the first backward
+    elif pp > 1 and schedule.pipeline == "interleaved_1f1b":
+        in_flight *= 1 + (pp - 1) / (pp * schedule.stages_per_rank)
     if schedule.checkpointing:  # each block's input per micro-batch in flight, one block recomputed at a time
         kept = in_flight * blocks * tokens * h * model.activation_bytes + one_block
     else:

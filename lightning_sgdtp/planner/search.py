@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_sgdtp.parallel.schedules import check_chunks
 from lightning_sgdtp.planner.cost import (
     Hardware,
     ModelProfile,
@@ -48,7 +49,7 @@ _UNITS = {
 CKPT_NOT_WITH_TP = "activation checkpointing with tensor parallel is not built yet (torch 2.13's AOTAutograd)"
 HSDP_NOT_WITH_PP = "hybrid sharding (shard_size) with pipeline stages is not built yet"
 #: What ``fixed`` may hold: the fields of a layout and of its schedule.
-FIXABLE = ("dp", "tp", "pp", "sharding", "shard_size", "checkpointing", "micro_batches")
+FIXABLE = ("dp", "tp", "pp", "sharding", "shard_size", "checkpointing", "micro_batches", "pipeline", "stages_per_rank")
 
 
 class PlannerInputError(ValueError):
@@ -101,7 +102,7 @@ class Candidate:
     def describe(self) -> str:
         text = self.layout.describe()
         if self.layout.pp > 1 and self.time is not None:
-            text += f", {self.schedule.micro_batches} micro-batches"
+            text += f", {self.schedule.micro_batches} micro-batches{self.schedule.describe()}"
         return text + (", checkpointing" if self.schedule.checkpointing else "")
 
     def to_dict(self) -> dict[str, Any]:
@@ -157,14 +158,20 @@ def _schedules(
     if layout.sharding != "none" and 1 < per_node < layout.dp and layout.dp % per_node == 0:
         layouts.append(replace(layout, shard_size=per_node))
     chunks = [1]
+    pipelines = [("1f1b", 1)]
     if layout.pp > 1:
         options = {k * layout.pp for k in (1, 2, 4, 8)} | {batch}
         chunks = sorted(m for m in options if batch % m == 0 and m >= layout.pp)
+        # GPipe: 1F1B's bubble with every micro-batch in flight; interleaved: 2 stages per rank, where the blocks
+        # allow it (each stage needs one)
+        pipelines += [("gpipe", 1)] + ([("interleaved_1f1b", 2)] if 2 * layout.pp <= blocks else [])
     return [
-        (lay, Schedule(checkpointing=ckpt, micro_batches=m))
+        (lay, Schedule(checkpointing=ckpt, micro_batches=m, pipeline=name, stages_per_rank=v))
         for lay in layouts
         for ckpt in ((False, True) if blocks > 1 else (False,))
         for m in chunks
+        for name, v in pipelines
+        if not check_chunks(name, m, layout.pp, layout.pp * v)
     ]
 
 
@@ -344,6 +351,7 @@ def plan(
             c.memory is None,
             c.time.seconds_per_sample if c.time else 0.0,
             c.schedule.checkpointing,  # at equal time, no recompute
+            c.schedule.pipeline != "1f1b",  # and the default schedule
             c.memory.total if c.memory else 0,
         )
     )

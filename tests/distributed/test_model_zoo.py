@@ -122,6 +122,10 @@ CELLS: dict[str, dict[str, Any]] = {
     # BERT's decoder.bias is predictions.bias: with sharding the stages are traced from whole copies, and the alias
     # was lost from its stage's names (released on the stage's own ranks, then read as a meta tensor)
     "bert_pipeline_sharded": {"model": "bert", "devices": 4, "dp": 2, "sgdtp": {**PP, "sharding": "full"}, "batch": 8},
+    # pipeline x tensor (issue 26): 2 stages, each split over 2 ranks; a Llama (rotary tables, grouped-query
+    # attention) and a GPT-2 (Conv1D, fused QKV): each rank holds about a quarter of the parameters
+    "llama_pipeline_tensor": {"model": "llama", "devices": 4, "dp": 1, "sgdtp": {**PP, "parallelism": "tensor"}},
+    "gpt2_pipeline_tensor": {"model": "gpt2", "devices": 4, "dp": 1, "sgdtp": {**PP, "parallelism": "tensor"}},
 }
 #: The slow tier (tests/README.md). The default run keeps one transformers model per mode: Mixtral tensor (experts
 #: split, expert parallel), Gemma2 pipeline (padded batches, buffers, stages released), GPT-2 hybrid sharded (fused
@@ -139,6 +143,8 @@ SLOW = {
     "mixtral_hybrid_sharded",
     "t5_pipeline",
     "bert_pipeline_sharded",
+    "llama_pipeline_tensor",
+    "gpt2_pipeline_tensor",
 }
 _RESULTS: dict[str, dict] = {}
 
@@ -169,6 +175,9 @@ def test_zoo_model_trains_like_one_process(name: str, tmp_path_factory: pytest.T
     plan, held, whole = r["info"]["plan"], r["info"]["held"], r["info"]["whole_parameter_bytes"]
     if CELLS[name]["dp"] == 1:  # what tensor and pipeline parallel are for: each rank holds about half the model
         assert all(h["parameters"] <= 0.6 * whole and h["optimizer"] <= 0.6 * 2 * whole for h in held), (held, whole)
+    if name.endswith("_pipeline_tensor"):  # each stage split over its group: a quarter, plus what stays whole
+        assert all(h["parameters"] <= 0.35 * whole for h in held), (held, whole)
+        assert plan["pipeline"]["tensor_parallel_layers"], plan["pipeline"]
     if name.endswith("_tensor"):  # use_cache was turned off for the run and said so; the split was real
         assert "use_cache=False while training for model" in r["log"], r["log"][-3000:]
         assert plan["tensor"]["split_fraction"] >= 0.9, plan["tensor"]

@@ -97,6 +97,30 @@ def test_the_bubble_shrinks_with_micro_batches_and_replicas_add_samples() -> Non
     assert replicas.samples == 4 * 8 and replicas.data_parallel > 0
 
 
+def test_the_schedules_trade_bubble_sends_and_activations() -> None:
+    """Interleaved 1F1B with 2 stages per rank halves the bubble and doubles the sends (Narayanan et al. 2021) and
+    keeps 1 + (p - 1) / (p v) times 1F1B's activations; GPipe keeps every micro-batch in flight."""
+    model = profile(Stack(blocks=8), tokens=16, batch=8)
+    one_f_one_b = Schedule(micro_batches=4)
+    interleaved = Schedule(micro_batches=4, pipeline="interleaved_1f1b", stages_per_rank=2)
+    gpipe = Schedule(micro_batches=4, pipeline="gpipe")
+    base, inter = (step_time(model, Layout(pp=2), H100, 8, 10_000, s) for s in (one_f_one_b, interleaved))
+    assert inter.bubble == pytest.approx(base.bubble / 2) and inter.pipeline_sends == pytest.approx(
+        2 * base.pipeline_sends
+    )
+    assert step_time(model, Layout(pp=2), H100, 8, 10_000, gpipe).total == pytest.approx(base.total)
+    acts = {s.pipeline: activation_bytes(model, Layout(pp=2), H100, s) for s in (one_f_one_b, interleaved, gpipe)}
+    logits = activation_bytes(model, Layout(pp=2), H100, Schedule(micro_batches=4, checkpointing=True))
+    assert acts["1f1b"] < acts["interleaved_1f1b"] < acts["gpipe"] and logits < acts["1f1b"]
+    assert acts["gpipe"] == pytest.approx(2 * acts["1f1b"], rel=0.01)  # 4 micro-batches in flight, not 2
+    assert acts["interleaved_1f1b"] == pytest.approx(1.25 * acts["1f1b"], rel=0.01)  # 1 + 1 / (2 x 2)
+    assert (interleaved.describe(), gpipe.describe(), one_f_one_b.describe()) == (
+        ", interleaved 1F1B x2",
+        ", GPipe",
+        "",
+    )
+
+
 def test_data_parallel_communication_hides_behind_backward_where_the_hardware_overlaps() -> None:
     model = profile(Stack(), tokens=16, batch=8)
     cpu = dataclasses.replace(H100, overlap=0.0)
@@ -149,6 +173,15 @@ def test_options_the_user_gave_are_fixed_and_the_winner_becomes_checked_options(
     assert (piped.parallelism, piped.pipeline_stages, piped.pipeline_chunks) == ("data", 2, 4)
     assert piped.activation_checkpointing and piped.max_memory_per_rank is None
     assert configure(auto, Candidate(Layout(tp=4))).parallelism == "tensor"
+    inter = Schedule(micro_batches=4, pipeline="interleaved_1f1b", stages_per_rank=2)
+    three_d = configure(auto, Candidate(Layout(tp=2, pp=2), inter))
+    assert (three_d.parallelism, three_d.tensor_parallel_size, three_d.pipeline_stages) == ("tensor", 2, 2)
+    assert (three_d.pipeline_schedule, three_d.pipeline_stages_per_rank) == ("interleaved_1f1b", 2)
+    fixed = SGDTPConfig(parallelism="auto", pipeline_stages=2, pipeline_schedule="gpipe")
+    assert fixed_fields(fixed, {"parallelism", "pipeline_stages", "pipeline_schedule"}) == {
+        "pp": 2,
+        "pipeline": "gpipe",
+    }
 
 
 def test_auto_plans_sharded_when_replicated_does_not_fit_and_says_why() -> None:

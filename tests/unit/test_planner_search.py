@@ -135,7 +135,7 @@ def test_no_layout_that_fits_is_an_error_naming_the_smallest_and_its_memory() ->
 
 def test_sgdtp_plan_prints_the_table_from_a_model_on_the_meta_device(capsys: pytest.CaptureFixture[str]) -> None:
     target = f"{REPO / 'examples' / 'gpt.py'}:GPTLightningModule"
-    assert main(["plan", target, "--gpus-per-node", "4", "--gpu-memory", "8MB", "--batch", "8", "--rows", "60"]) == 0
+    assert main(["plan", target, "--gpus-per-node", "4", "--gpu-memory", "8MB", "--batch", "8", "--rows", "400"]) == 0
     out = capsys.readouterr().out
     assert "layouts fit and are built (limit 7.63 MiB per rank; h100;" in out and "\nchosen: " in out
     assert "dp 1 x tp 2 x pp 2" in out and CKPT_NOT_WITH_TP in out
