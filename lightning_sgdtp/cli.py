@@ -91,7 +91,7 @@ def _plan(args: argparse.Namespace) -> int:
     import torch
 
     from lightning_sgdtp.planner.cost import profile
-    from lightning_sgdtp.planner.search import FIXABLE, PlannerInputError, plan
+    from lightning_sgdtp.planner.search import FIXABLE, PlannerInputError, check_a_layout_is_left, plan
     from lightning_sgdtp.planner.shapes import SHAPES, build
 
     try:
@@ -121,6 +121,8 @@ def _plan(args: argparse.Namespace) -> int:
         model = profile(module, tokens, batch, activation_bytes=2 if args.precision.startswith(("bf16", "16")) else 4)
         world = args.nodes * per_node
         result = plan(module, model, hardware, world, per_node, None, args.optimizer_states, fixed, args.global_batch)
+        if fixed:
+            check_a_layout_is_left(result, world, fixed)
     except (TargetError, PlannerInputError, ValueError) as e:
         print(f"sgdtp plan: {e}", file=sys.stderr)
         return 2

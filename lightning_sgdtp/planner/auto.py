@@ -17,7 +17,16 @@ from torch import nn
 
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.planner.cost import HARDWARE, Hardware, measured_hardware, profile
-from lightning_sgdtp.planner.search import Candidate, Plan, PlannerInputError, check_fits, plan, size_text, time_text
+from lightning_sgdtp.planner.search import (
+    Candidate,
+    Plan,
+    PlannerInputError,
+    check_a_layout_is_left,
+    check_fits,
+    plan,
+    size_text,
+    time_text,
+)
 
 
 def given_options(options: dict[str, Any] | None, given: dict[str, Any]) -> set[str]:
@@ -132,12 +141,7 @@ def decide(
     try:
         model = profile(module, tokens, batch, activation_bytes)
         result = plan(module, model, hardware, world_size, devices_per_node, config.max_memory_per_rank, fixed=fixed)
-        if not any(c.built and c.time is not None for c in result.candidates):
-            reasons = sorted({c.skipped for c in result.candidates if c.skipped}) or ["none"]
-            raise PlannerInputError(
-                f"no layout of {world_size} ranks keeps your options {fixed}: {'; '.join(reasons)}. Remove or"
-                " change the options that fix the layout."
-            )
+        check_a_layout_is_left(result, world_size, fixed)
         check_fits(result)
     except PlannerInputError as e:
         raise SGDTPConfigError(f"parallelism='auto': {e}") from e

@@ -39,12 +39,12 @@ tensor parallel), times the activation element size; the attention scores (``5 a
 keeps them (``Hardware.flash_attention`` False: the CPU's math kernel). With checkpointing a block keeps its input
 only, plus one block's whole activations while it is recomputed. A pipeline's first stage keeps ``min(micro-batches,
 stages)`` micro-batches in flight with 1F1B (all of them with GPipe; 1F1B's times ``1 + (stages - 1) / (stages x v)``
-interleaved, Korthikanti et al. section 4.2.3). The logits (tokens x vocabulary, and their gradient in float32) are
-counted on the last stage.
+interleaved, Korthikanti et al. section 4.2.3); the last stage one (all of them with GPipe), plus the logits (tokens
+x vocabulary, and their gradient in float32).
 
 What it leaves out: compute that does not scale with parameters (normalisation, activation functions), mixture of
-experts' routing (every expert is counted as run), the allocator's overhead, and interleaved schedules (chunks and
-stages per rank are not searched). ``benchmarks/planner_check.py`` measures how far the predictions are from real
+experts' routing (every expert is counted as run), the allocator's overhead, interleaved schedules of more than
+2 stages per rank and zero-bubble schedules. ``benchmarks/planner_check.py`` measures how far the predictions are from real
 steps on this machine.
 """
 
@@ -397,11 +397,15 @@ def activation_bytes(model: ModelProfile, layout: Layout, hardware: Hardware, sc
         in_flight = m  # every forward before the first backward
     elif pp > 1 and schedule.pipeline == "interleaved_1f1b":
         in_flight *= 1 + (pp - 1) / (pp * schedule.stages_per_rank)
-    if schedule.checkpointing:  # each block's input per micro-batch in flight, one block recomputed at a time
-        kept = in_flight * blocks * tokens * h * model.activation_bytes + one_block
-    else:
-        kept = in_flight * blocks * one_block
+
+    def kept(micro_batches: float) -> float:
+        if schedule.checkpointing:  # each block's input per micro-batch in flight, one block recomputed at a time
+            return micro_batches * blocks * tokens * h * model.activation_bytes + one_block
+        return micro_batches * blocks * one_block
+
     logits = tokens * model.vocab / tp * (model.activation_bytes + 4)  # and their float32 gradient
-    # without a pipeline the one rank holds both; with one, the first stage holds the most micro-batches in
-    # flight and the last stage the logits
-    return int(kept + logits if pp == 1 else max(kept, kept / in_flight + logits))
+    if pp == 1:  # the one rank holds both
+        return int(kept(1) + logits)
+    # the first stage holds the most micro-batches in flight; the last, one (every one with GPipe) and the logits
+    last = kept(m if schedule.pipeline == "gpipe" else 1) + logits
+    return int(max(kept(in_flight), last))

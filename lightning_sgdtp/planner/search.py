@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_sgdtp.parallel.schedules import check_chunks
+from lightning_sgdtp.parallel.schedules import SCHEDULES, check_chunks
 from lightning_sgdtp.planner.cost import (
     Hardware,
     ModelProfile,
@@ -296,6 +296,8 @@ def plan(
     unknown = set(fixed) - set(FIXABLE)
     if unknown:
         raise PlannerInputError(f"cannot fix {sorted(unknown)}: the planner's fields are {list(FIXABLE)}")
+    if fixed.get("pipeline", "1f1b") not in SCHEDULES:
+        raise PlannerInputError(f"cannot fix pipeline={fixed['pipeline']!r}: the schedules are {list(SCHEDULES)}")
     given = max_memory_per_rank if max_memory_per_rank is not None else hardware.memory_bytes
     limit = parse_memory(given) if given is not None else None
     result = Plan(limit, hardware, model, global_batch=global_batch)
@@ -356,6 +358,16 @@ def plan(
         )
     )
     return result
+
+
+def check_a_layout_is_left(result: Plan, world_size: int, fixed: dict[str, Any]) -> None:
+    """Raise, naming the fixed options and why each layout they keep is left out, when they keep no built layout."""
+    if not any(c.built and c.time is not None for c in result.candidates):
+        reasons = sorted({c.skipped for c in result.candidates if c.skipped}) or ["none"]
+        raise PlannerInputError(
+            f"no layout of {world_size} ranks keeps your options {fixed}: {'; '.join(reasons)}. Remove or change the"
+            " options that fix the layout."
+        )
 
 
 def check_fits(result: Plan) -> None:

@@ -112,7 +112,12 @@ def test_the_schedules_trade_bubble_sends_and_activations() -> None:
     acts = {s.pipeline: activation_bytes(model, Layout(pp=2), H100, s) for s in (one_f_one_b, interleaved, gpipe)}
     logits = activation_bytes(model, Layout(pp=2), H100, Schedule(micro_batches=4, checkpointing=True))
     assert acts["1f1b"] < acts["interleaved_1f1b"] < acts["gpipe"] and logits < acts["1f1b"]
-    assert acts["gpipe"] == pytest.approx(2 * acts["1f1b"], rel=0.01)  # 4 micro-batches in flight, not 2
+    assert acts["gpipe"] >= 0.99 * 2 * acts["1f1b"]  # 4 micro-batches in flight, not 2 (the last stage's too)
+    ckpt = {
+        s.pipeline: activation_bytes(model, Layout(pp=2), H100, dataclasses.replace(s, checkpointing=True))
+        for s in (one_f_one_b, interleaved, gpipe)
+    }  # with checkpointing too, GPipe never keeps less (the last stage's logits may dominate the other two)
+    assert ckpt["1f1b"] <= ckpt["interleaved_1f1b"] < ckpt["gpipe"]
     assert acts["interleaved_1f1b"] == pytest.approx(1.25 * acts["1f1b"], rel=0.01)  # 1 + 1 / (2 x 2)
     assert (interleaved.describe(), gpipe.describe(), one_f_one_b.describe()) == (
         ", interleaved 1F1B x2",

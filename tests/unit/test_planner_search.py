@@ -19,6 +19,7 @@ from lightning_sgdtp.planner.search import (
     Plan,
     PlannerInputError,
     candidate_layouts,
+    check_a_layout_is_left,
     check_fits,
     parse_memory,
     plan,
@@ -110,6 +111,12 @@ def test_options_the_user_set_stay_fixed() -> None:
     result = _plan(Blocks(), world=4, per_node=4, fixed={"tp": 2, "checkpointing": False})
     assert result.candidates and all(c.layout.tp == 2 for c in result.candidates if c.memory is not None)
     assert result.best.layout == Layout(dp=2, tp=2) or result.best.layout.tp == 2
+    with pytest.raises(PlannerInputError, match=r"cannot fix pipeline='interleaved': the schedules are"):
+        _plan(Blocks(), world=4, per_node=4, fixed={"pipeline": "interleaved"})
+    left = _plan(Blocks(), world=4, per_node=4, fixed={"pp": 2, "stages_per_rank": 5})
+    with pytest.raises(PlannerInputError, match=r"no layout of 4 ranks keeps your options \{'pp': 2"):
+        check_a_layout_is_left(left, 4, {"pp": 2, "stages_per_rank": 5})
+    check_a_layout_is_left(result, 4, {"tp": 2})  # the tp=2 layouts are left: no error
     with pytest.raises(PlannerInputError, match=r"cannot fix \['colour'\]"):
         _plan(Blocks(), world=4, per_node=4, fixed={"colour": 1})
 
