@@ -353,6 +353,51 @@ def _mib(n: float | None) -> str:
     return fmt(None if n is None else n / 2**20, "7.2f")
 
 
+def with_one_cost(rows: list[dict[str, Any]], gb: int) -> tuple[dict[str, float] | None, str | None, str | None]:
+    """Predict every measured layout with one CostModel, as ``parallelism="auto"`` plans every layout from the one
+    measurement it makes at setup: the median, field by field, of what the jobs measured (each job's own figures
+    move with the machine's load as much as the layouts differ); also with the first job's. Adds both predictions to
+    the rows; returns that CostModel, the planner's choice among the measured layouts and over every layout."""
+    costs = [c for r in rows for c in r["cost_models"]]
+    if not costs:
+        return None, None, None
+    one_cost = {k: statistics.median(c[k] for c in costs) for k in costs[0]}
+    names = [r["layout"] for r in rows]
+    table, first_table = planner_table(one_cost, gb), planner_table(costs[0], gb)
+    for row in rows:
+        row["predicted_ms_per_step_one_cost"] = round(1e3 * row_of(table, row["layout"]).time.total, 2)
+        row["predicted_ms_per_step_first_cost"] = round(1e3 * row_of(first_table, row["layout"]).time.total, 2)
+    same_set = [c for c in table.fitting if any(row_of(table, n) is c for n in names)]
+    choice = next((n for n in names if same_set and row_of(table, n) is same_set[0]), None)
+    return one_cost, choice, table.best.describe() if table.best else None
+
+
+def reread(path: Path) -> int:
+    """The time criteria of a saved run (``--out`` / the last line), judged again with this planner."""
+    summary = json.loads(path.read_text().strip().splitlines()[-1])
+    rows, gb = summary["results"], summary["config"]["global_batch"]
+    one_cost, choice, unrestricted = with_one_cost(rows, gb)
+    meas = [r["measured_ms_per_step"] for r in rows]
+    for row in rows:
+        print(
+            f"{row['layout']:14s} predicted {row['predicted_ms_per_step_one_cost']:8.1f} ms/step (one CostModel),"
+            f" {row['predicted_ms_per_step_first_cost']:8.1f} (the first job's); measured {row['measured_ms_per_step']:8.1f}"
+        )
+    fastest = min(rows, key=lambda r: r["measured_ms_per_step"])
+    chosen = next(r for r in rows if r["layout"] == choice)
+    gap = chosen["measured_ms_per_step"] / fastest["measured_ms_per_step"] - 1
+    rho = spearman([r["predicted_ms_per_step_one_cost"] for r in rows], meas)
+    print(
+        f"{path.name} ({summary['config'].get('plugin_commit')}), re-read with this planner: Spearman"
+        f" {fmt(rho, '.3f')} with one CostModel (target >= {TARGET['spearman_min']}),"
+        f" {fmt(spearman([r['predicted_ms_per_step_first_cost'] for r in rows], meas), '.3f')} with the first job's,"
+        f" {fmt(spearman([r['predicted_ms_per_sample'] for r in rows], meas), '.3f')} with each job's own (as run);"
+        f" choice {choice} ({unrestricted} over every layout), fastest measured {fastest['layout']}: the choice"
+        f" {100 * gap:+.1f}% (target <= {TARGET['choice_gap_max']:.0%}); one CostModel {one_cost}"
+    )
+    return 0
+
+
 def main_driver(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.layouts.split(",") if n.strip()]
     bad = [n for n in names if n not in LAYOUTS]
@@ -444,26 +489,7 @@ def main_driver(args: argparse.Namespace) -> int:
             }
         )
 
-    # One CostModel for every layout, as parallelism="auto" plans every layout from the one measurement it makes at
-    # setup: the median, field by field, of what the jobs measured (each job's own figures move with the machine's
-    # load as much as the layouts differ). The planner's choice: its best over the same layouts (those measured).
-    costs = [x["cost"] for n in names for x in runs.get(n, [])]
-    one_cost = {k: statistics.median(c[k] for c in costs) for k in costs[0]} if costs else None
-    first = next((runs[n][0] for n in names if n in runs), None)
-    choice = unrestricted = common = None
-    first_common: dict[str, float] = {}
-    if first is not None and one_cost is not None:
-        first_table = planner_table(first["cost"], gb)
-        first_common = {n: 1e3 * row_of(first_table, n).time.total for n in runs if row_of(first_table, n)}
-        table = planner_table(one_cost, gb)
-        measured = {n for n in runs}
-        same_set = [c for c in table.fitting if any(row_of(table, n) is c for n in measured)]
-        choice = next((n for n in measured if same_set and row_of(table, n) is same_set[0]), None)
-        unrestricted = table.best.describe() if table.best else None
-        common = {n: 1e3 * row_of(table, n).time.total for n in measured if row_of(table, n) is not None}
-        for row in rows:
-            row["predicted_ms_per_step_one_cost"] = round(common[row["layout"]], 2)
-            row["predicted_ms_per_step_first_cost"] = round(first_common[row["layout"]], 2)
+    one_cost, choice, unrestricted = with_one_cost(rows, gb)
 
     header = (
         f"{'layout':14s} {'planner layout':42s} {'pred ms/smp':>11s} {'(one cost)':>10s} {'meas ms/smp':>11s}"
@@ -623,6 +649,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="1 round, fewer steps")
     p.add_argument("--timeout", type=float, default=420, help="hard limit per run, seconds (420)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON summary to this file")
+    p.add_argument("--reread", type=Path, help="judge the time criteria of a saved summary (--out) again; runs nothing")
     # internal: one layout's run, started by the driver (and re-run by Lightning for ranks 1-3)
     p.add_argument("--worker", metavar="LAYOUT", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -638,4 +665,6 @@ if __name__ == "__main__":
     if args.worker:
         _worker(args)
         sys.exit(0)
+    if args.reread:
+        sys.exit(reread(args.reread))
     sys.exit(main_driver(args))
