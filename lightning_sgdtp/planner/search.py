@@ -146,9 +146,7 @@ def candidate_layouts(world_size: int, devices_per_node: int, blocks: int) -> li
     return out
 
 
-def _schedules(
-    layout: Layout, batch: int, devices_per_node: int, blocks: int, built: bool
-) -> list[tuple[Layout, Schedule]]:
+def _schedules(layout: Layout, batch: int, devices_per_node: int, blocks: int) -> list[tuple[Layout, Schedule]]:
     """What a layout leaves open: checkpointing (of a block stack; with tensor parallel it is predicted and marked
     not built), micro-batches (stages x 1, 2, 4, 8, or one sample
     each: whole samples dividing the batch, at least one per stage as 1F1B needs; none: the batch is too small for
@@ -318,7 +316,7 @@ def plan(
                     candidate.skipped = f"global batch {global_batch} does not divide over dp={candidate.layout.dp}"
                     result.candidates.append(candidate)
                 continue
-        schedules = _schedules(candidate.layout, batch, devices_per_node, model.blocks, candidate.built)
+        schedules = _schedules(candidate.layout, batch, devices_per_node, model.blocks)
         if not schedules and candidate.built and not candidate.skipped:
             candidate.skipped = (
                 f"{batch} sample(s) per replica for {candidate.layout.pp} stages: 1F1B needs one per stage"
