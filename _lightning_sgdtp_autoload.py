@@ -5,9 +5,10 @@ whose single line ``import _lightning_sgdtp_autoload`` runs this module at inter
 
 This module must stay tiny: it imports nothing that the interpreter has not already imported
 (no torch, no lightning, no lightning_sgdtp). It installs a ``sys.meta_path`` finder that waits
-for ``lightning.pytorch.strategies`` or ``pytorch_lightning.strategies`` to be imported, lets
-that import run normally, and then registers ``"sgdtp"`` in that namespace's ``StrategyRegistry``
-with a lazy factory. Only when a Trainer asks for the strategy does the factory import
+for ``lightning.pytorch.strategies`` or ``pytorch_lightning.strategies`` (the Trainer's) or
+``lightning.fabric.strategies`` / ``lightning_fabric.strategies`` (Fabric's) to be imported, lets
+that import run normally, and then registers ``"sgdtp"`` in that namespace's registry
+with a lazy factory. Only when a Trainer or Fabric asks for the strategy does the factory import
 ``lightning_sgdtp`` and build the real strategy (the ``pytorch_lightning`` twin for the
 ``pytorch_lightning`` namespace).
 
@@ -26,7 +27,11 @@ _DESCRIPTION = "lightning-sgdtp: compiled training step with gradient communicat
 _TARGETS = {
     "lightning.pytorch.strategies": "lightning.pytorch",
     "pytorch_lightning.strategies": "pytorch_lightning",
+    "lightning.fabric.strategies": "lightning.fabric",
+    "lightning_fabric.strategies": "lightning_fabric",
 }
+# The registry's attribute in each namespace's ``strategies`` module (the Trainer's and Fabric's).
+_REGISTRY_ATTRIBUTES = ("StrategyRegistry", "STRATEGY_REGISTRY")
 
 
 def _disabled():
@@ -43,9 +48,9 @@ def _warn(message):
 def _make_factory(namespace):
     def sgdtp_lazy_factory(**kwargs):
         # Imported only now, when the Trainer resolves strategy="sgdtp".
-        from lightning_sgdtp._registration import get_strategy_class, register_strategies
+        from lightning_sgdtp._registration import get_strategy_class, register_namespace
 
-        register_strategies()  # replaces this factory with the real class (idempotent)
+        register_namespace(namespace)  # replaces this factory with the real class (idempotent)
         return get_strategy_class(namespace)(**kwargs)
 
     sgdtp_lazy_factory.__qualname__ = f"sgdtp_lazy_factory[{namespace}]"
@@ -53,12 +58,20 @@ def _make_factory(namespace):
     return sgdtp_lazy_factory
 
 
+def _registry_of(module):
+    for attribute in _REGISTRY_ATTRIBUTES:
+        registry = getattr(module, attribute, None)
+        if registry is not None:
+            return registry
+    return None
+
+
 def _register(module, namespace):
     """Register the lazy factory in ``module.StrategyRegistry``; never raises."""
     try:
-        registry = getattr(module, "StrategyRegistry", None)
+        registry = _registry_of(module)
         if registry is None:
-            _warn(f"{module.__name__} has no StrategyRegistry; strategy={STRATEGY_NAME!r} not registered")
+            _warn(f"{module.__name__} has no strategy registry; strategy={STRATEGY_NAME!r} not registered")
             return
         if STRATEGY_NAME in registry:
             return  # already registered (explicitly, by lightning_sgdtp, or by someone else): keep it
@@ -96,7 +109,7 @@ class _PostExecLoader:
 
 
 class SGDTPAutoloadFinder:
-    """``sys.meta_path`` finder that reacts only to the two ``*.strategies`` module names."""
+    """``sys.meta_path`` finder that reacts only to the four ``*.strategies`` module names."""
 
     @classmethod
     def find_spec(cls, fullname, path=None, target=None):
@@ -135,7 +148,7 @@ def install():
             sys.meta_path.insert(0, SGDTPAutoloadFinder)
         for fullname, namespace in _TARGETS.items():
             module = sys.modules.get(fullname)
-            if module is not None and hasattr(module, "StrategyRegistry"):
+            if module is not None and _registry_of(module) is not None:
                 _register(module, namespace)
     except Exception as exc:  # noqa: BLE001
         _warn(f"could not install the import hook: {exc!r}")

@@ -1,8 +1,9 @@
 """lightning-sgdtp: a Lightning strategy that compiles the training step and puts gradient
 communication inside the compiled backward.
 
-``import lightning_sgdtp`` registers ``"sgdtp"`` with Lightning's StrategyRegistry (and with
-``pytorch_lightning``'s when that is in use) and with TorchDynamo as a ``torch.compile`` backend.
+``import lightning_sgdtp`` registers ``"sgdtp"`` with Lightning's StrategyRegistry and Fabric's
+STRATEGY_REGISTRY (and with ``pytorch_lightning``'s / ``lightning_fabric``'s when those are in use) and with
+TorchDynamo as a ``torch.compile`` backend.
 """
 
 # `diagnose` is the package lightning_sgdtp.diagnose, callable: lightning_sgdtp.diagnose(...) runs diagnose.diagnose(...)
@@ -10,6 +11,7 @@ from lightning_sgdtp import diagnose, graph
 from lightning_sgdtp._registration import register_strategies
 from lightning_sgdtp.compiler.backend import SGDTPCompiler, register_backend, sgdtp_backend
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
+from lightning_sgdtp.fabric_strategy import SGDTPFabricStrategy
 from lightning_sgdtp.faults import RankLostError
 from lightning_sgdtp.preemption import Preempted
 from lightning_sgdtp.rendezvous import RendezvousError
@@ -24,6 +26,7 @@ __all__ = [
     "SGDTPCompiler",
     "SGDTPConfig",
     "SGDTPConfigError",
+    "SGDTPFabricStrategy",
     "SGDTPStrategy",
     "diagnose",
     "graph",

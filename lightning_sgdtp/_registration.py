@@ -1,4 +1,4 @@
-"""Register ``strategy="sgdtp"`` in Lightning's strategy registries.
+"""Register ``strategy="sgdtp"`` in Lightning's strategy registries: the Trainer's and Fabric's.
 
 Lightning ships the same trainer under two namespaces: ``lightning.pytorch`` and the standalone
 ``pytorch_lightning`` (whose classes are distinct: a ``lightning.pytorch`` strategy is not a
@@ -11,6 +11,9 @@ rewritten (``lightning.pytorch`` -> ``pytorch_lightning``, ``lightning.fabric`` 
 
 The twin module is importable by name (a tiny ``sys.meta_path`` finder serves it), so instances
 of the twin pickle and unpickle like any other class, e.g. into spawned worker processes.
+
+Fabric's strategy (``lightning_sgdtp/fabric_strategy.py``, ``lightning.fabric`` only) gets the same treatment:
+its twin ``lightning_sgdtp._lf_strategy`` is built for the standalone ``lightning_fabric``.
 
 This module never imports Lightning by itself: ``lightning.pytorch`` comes in through
 ``lightning_sgdtp.strategy``; ``pytorch_lightning`` only when the user already imported it (or
@@ -31,9 +34,20 @@ from typing import Any
 STRATEGY_NAME = "sgdtp"
 DESCRIPTION = "lightning-sgdtp: compiled training step with gradient communication in the compiled backward"
 
-_SOURCE_MODULE = "lightning_sgdtp.strategy"
+#: twin module -> the source module it is rewritten from.
+_TWINS = {
+    "lightning_sgdtp._pl_strategy": "lightning_sgdtp.strategy",
+    "lightning_sgdtp._lf_strategy": "lightning_sgdtp.fabric_strategy",
+}
 _PL_TWIN_MODULE = "lightning_sgdtp._pl_strategy"
-_NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
+#: namespace -> (the module of its class, the class, the registry's attribute in ``<namespace>.strategies``).
+_CLASSES = {
+    "lightning.pytorch": ("lightning_sgdtp.strategy", "SGDTPStrategy", "StrategyRegistry"),
+    "pytorch_lightning": ("lightning_sgdtp._pl_strategy", "SGDTPStrategy", "StrategyRegistry"),
+    "lightning.fabric": ("lightning_sgdtp.fabric_strategy", "SGDTPFabricStrategy", "STRATEGY_REGISTRY"),
+    "lightning_fabric": ("lightning_sgdtp._lf_strategy", "SGDTPFabricStrategy", "STRATEGY_REGISTRY"),
+}
+_NAMESPACES = tuple(_CLASSES)
 
 # `lightning.pytorch` -> `pytorch_lightning`, `lightning.fabric` -> `lightning_fabric`; the lookbehind
 # keeps e.g. `foo.lightning.pytorch` or `my_lightning.pytorch` untouched.
@@ -46,32 +60,32 @@ _lock = threading.RLock()
 def rewrite_for_pytorch_lightning(source: str) -> str:
     """Return ``source`` with ``lightning.pytorch``/``lightning.fabric`` rewritten to the standalone packages.
 
-    Line numbers are preserved, so tracebacks through the twin point at the right lines of
-    ``strategy.py``.
+    Line numbers are preserved, so tracebacks through the twin point at the right lines of the source.
     """
     return _REWRITE.sub(lambda m: _REWRITE_TO[m.group(1)], source)
 
 
-def _source_spec() -> importlib.machinery.ModuleSpec:
-    spec = importlib.util.find_spec(_SOURCE_MODULE)
+def _source_spec(source_module: str) -> importlib.machinery.ModuleSpec:
+    spec = importlib.util.find_spec(source_module)
     if spec is None or spec.origin is None:
-        raise ImportError(f"cannot locate the source of {_SOURCE_MODULE} to build its pytorch_lightning twin")
+        raise ImportError(f"cannot locate the source of {source_module} to build its standalone-package twin")
     return spec
 
 
 class _PLTwinLoader(importlib.abc.Loader):
-    """Executes the rewritten source of ``lightning_sgdtp/strategy.py`` as ``lightning_sgdtp._pl_strategy``."""
+    """Executes the rewritten source of a strategy module (``strategy.py``, ``fabric_strategy.py``) as its twin."""
 
     def __init__(self, source_spec: importlib.machinery.ModuleSpec) -> None:
         self.source_spec = source_spec
+        self.source_module: str = source_spec.name
         self.path: str = source_spec.origin  # type: ignore[assignment]
 
     def _original_source(self) -> str:
         get_source = getattr(self.source_spec.loader, "get_source", None)
-        source = get_source(_SOURCE_MODULE) if get_source is not None else None
+        source = get_source(self.source_module) if get_source is not None else None
         if source is None:
             if not self.path.endswith(".py"):
-                raise ImportError(f"no source available for {_SOURCE_MODULE} ({self.path}); cannot build its twin")
+                raise ImportError(f"no source available for {self.source_module} ({self.path}); cannot build its twin")
             with open(self.path, "rb") as fh:
                 source = importlib.util.decode_source(fh.read())
         return source
@@ -83,7 +97,7 @@ class _PLTwinLoader(importlib.abc.Loader):
         return rewrite_for_pytorch_lightning(self._original_source())
 
     def get_code(self, fullname: str):
-        # The code object's filename is the real strategy.py: tracebacks show its lines (same numbering).
+        # The code object's filename is the real source file: tracebacks show its lines (same numbering).
         return compile(self.get_source(fullname), self.path, "exec", dont_inherit=True)
 
     def create_module(self, spec):
@@ -91,20 +105,21 @@ class _PLTwinLoader(importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         module.__cached__ = None  # not compiled from a .pyc of its own
-        module.__sgdtp_twin_of__ = _SOURCE_MODULE
+        module.__sgdtp_twin_of__ = self.source_module
         exec(self.get_code(module.__name__), module.__dict__)  # noqa: S102 - this is what a loader does
 
 
 class _PLTwinFinder:
-    """Serves ``import lightning_sgdtp._pl_strategy`` (e.g. when unpickling in a fresh process)."""
+    """Serves ``import lightning_sgdtp._pl_strategy`` / ``_lf_strategy`` (e.g. when unpickling in a fresh process)."""
 
     @classmethod
     def find_spec(cls, fullname: str, path: Any = None, target: Any = None):
-        if fullname != _PL_TWIN_MODULE:
+        source = _TWINS.get(fullname)
+        if source is None:
             return None
-        loader = _PLTwinLoader(_source_spec())
+        loader = _PLTwinLoader(_source_spec(source))
         spec = importlib.machinery.ModuleSpec(fullname, loader, origin=loader.path, is_package=False)
-        spec.has_location = True  # sets __file__ to strategy.py
+        spec.has_location = True  # sets __file__ to the source file
         return spec
 
 
@@ -118,26 +133,24 @@ _install_twin_finder()
 
 def get_pl_twin() -> type:
     """Return ``SGDTPStrategy`` built for ``pytorch_lightning`` (imports ``pytorch_lightning``)."""
-    with _lock:
-        _install_twin_finder()
-        module = importlib.import_module(_PL_TWIN_MODULE)
-    return module.SGDTPStrategy
+    return get_strategy_class("pytorch_lightning")
 
 
 def get_strategy_class(namespace: str = "lightning.pytorch") -> type:
-    """The ``SGDTPStrategy`` class for ``"lightning.pytorch"`` or ``"pytorch_lightning"``."""
-    if namespace == "lightning.pytorch":
-        from lightning_sgdtp.strategy import SGDTPStrategy
-
-        return SGDTPStrategy
-    if namespace == "pytorch_lightning":
-        return get_pl_twin()
-    raise ValueError(f"unknown Lightning namespace {namespace!r}; expected one of {_NAMESPACES}")
+    """The strategy class of a namespace: ``SGDTPStrategy`` for ``"lightning.pytorch"`` / ``"pytorch_lightning"``,
+    ``SGDTPFabricStrategy`` for ``"lightning.fabric"`` / ``"lightning_fabric"`` (the twins for the standalone
+    packages)."""
+    if namespace not in _CLASSES:
+        raise ValueError(f"unknown Lightning namespace {namespace!r}; expected one of {_NAMESPACES}")
+    module_name, class_name, _ = _CLASSES[namespace]
+    with _lock:
+        _install_twin_finder()
+        return getattr(importlib.import_module(module_name), class_name)
 
 
 def _registry(namespace: str):
-    # Already imported by the time we get here (through lightning_sgdtp.strategy or the user's code).
-    return importlib.import_module(f"{namespace}.strategies").StrategyRegistry
+    # Already imported by the time we get here (through the strategy module or the user's code).
+    return getattr(importlib.import_module(f"{namespace}.strategies"), _CLASSES[namespace][2])
 
 
 def _register(registry, strategy_cls: type) -> None:
@@ -147,27 +160,35 @@ def _register(registry, strategy_cls: type) -> None:
     registry.register(STRATEGY_NAME, strategy_cls, description=DESCRIPTION, override=True)
 
 
-def _pytorch_lightning_ready() -> bool:
-    module = sys.modules.get("pytorch_lightning.strategies")
-    return module is not None and hasattr(module, "StrategyRegistry")
+def register_namespace(namespace: str) -> None:
+    """Register the strategy class of ``namespace`` in its registry (imports that namespace). Idempotent."""
+    with _lock:
+        _register(_registry(namespace), get_strategy_class(namespace))
+
+
+def _ready(namespace: str) -> bool:
+    module = sys.modules.get(f"{namespace}.strategies")
+    return module is not None and hasattr(module, _CLASSES[namespace][2])
 
 
 def register_strategies(pytorch_lightning: bool | None = None) -> None:
-    """Register ``SGDTPStrategy`` as ``strategy="sgdtp"``.
+    """Register ``strategy="sgdtp"`` for the Trainer and for Fabric.
 
-    Always in ``lightning.pytorch.strategies.StrategyRegistry``. In
+    Always in ``lightning.pytorch.strategies.StrategyRegistry`` (``SGDTPStrategy``) and
+    ``lightning.fabric.strategies.STRATEGY_REGISTRY`` (``SGDTPFabricStrategy``). In
     ``pytorch_lightning.strategies.StrategyRegistry`` (as the twin class) when ``pytorch_lightning``
     is already imported; pass ``pytorch_lightning=True`` to import it if installed, or ``False`` to
-    skip it. If ``pytorch_lightning`` is imported later, the autoload hook (see
-    ``_lightning_sgdtp_autoload``) registers it then. Idempotent.
+    skip it; the same for ``lightning_fabric`` when it is imported. If either is imported later, the
+    autoload hook (see ``_lightning_sgdtp_autoload``) registers it then. Idempotent.
     """
     with _lock:
-        strategy_cls = get_strategy_class("lightning.pytorch")  # imports lightning.pytorch via strategy.py
-        _register(_registry("lightning.pytorch"), strategy_cls)
-
+        register_namespace("lightning.pytorch")  # imports lightning.pytorch via strategy.py
+        register_namespace("lightning.fabric")
         if pytorch_lightning is None:
-            pytorch_lightning = _pytorch_lightning_ready()
+            pytorch_lightning = _ready("pytorch_lightning")
         elif pytorch_lightning:
             pytorch_lightning = importlib.util.find_spec("pytorch_lightning") is not None
         if pytorch_lightning:
-            _register(_registry("pytorch_lightning"), get_pl_twin())
+            register_namespace("pytorch_lightning")
+        if _ready("lightning_fabric"):
+            register_namespace("lightning_fabric")

@@ -1,9 +1,8 @@
 """One typed, validated description of what the user asked for.
 
-Every entry point (``SGDTPStrategy(...)``, ``SGDTPStrategy(options=...)`` and
-``torch.compile(model, backend="sgdtp", options=...)``) builds an :class:`SGDTPConfig`, so an
-invalid option fails the same way everywhere: at construction, before any process is spawned,
-with a message that names the option and the fix.
+Every entry point (``SGDTPStrategy(...)``, ``SGDTPFabricStrategy(...)``, ``options=...`` and ``torch.compile(model,
+backend="sgdtp", options=...)``) builds an :class:`SGDTPConfig`, so an invalid option fails the same way everywhere:
+at construction, before any process is spawned, with a message that names the option and the fix.
 """
 
 from __future__ import annotations
@@ -576,12 +575,21 @@ def check_process_group_backend(name: str | None) -> None:
         )
 
 
-def check_trainer_plugins(precision_plugin: str | None, sync_batchnorm: bool) -> None:
-    """What the Trainer adds that the strategy cannot run: ``precision_plugin`` is the name of an unsupported
-    precision plugin class (None: a supported one); ``sync_batchnorm`` is ``Trainer(sync_batchnorm=True)``."""
+def check_fabric_options(config: SGDTPConfig) -> None:
+    if config.pipelined:  # what Fabric cannot run
+        raise SGDTPConfigError(
+            "pipeline_stages / pipeline_chunks are not available with Fabric: a Fabric loop has no training_step to"
+            " cut into micro-batches and schedule across stages. Remove them (data, sharding, tensor and hybrid"
+            " parallel work with Fabric), or train with the Trainer (SGDTPStrategy(pipeline_stages=...))."
+        )
+
+
+def check_trainer_plugins(precision_plugin: str | None, sync_batchnorm: bool, front: str = "Trainer") -> None:
+    """What the Trainer (or Fabric: ``front``) adds that the strategy cannot run: ``precision_plugin``, an unsupported
+    precision plugin's class name (None: supported); ``sync_batchnorm``: ``Trainer(sync_batchnorm=True)``."""
     if precision_plugin is not None:
         raise SGDTPConfigError(
-            f"precision plugin {precision_plugin} is not supported by the sgdtp strategy. Use Trainer(precision=...)"
+            f"precision plugin {precision_plugin} is not supported by the sgdtp strategy. Use {front}(precision=...)"
             f" with one of {', '.join(SUPPORTED_PRECISION)}."
         )
     if sync_batchnorm:

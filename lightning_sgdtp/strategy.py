@@ -25,7 +25,6 @@ from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
@@ -39,13 +38,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.distributed.utils import _sync_module_states
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sgdtp import checkpoints, comm, model_settings, rendezvous
+from lightning_sgdtp import checkpoints, comm, model_settings, processes
 from lightning_sgdtp.checkpoints import ShardedCheckpoints
-from lightning_sgdtp.compiler.artifacts import check_cache_folders
 from lightning_sgdtp.config import (
     SGDTPConfig,
     SGDTPConfigError,
@@ -56,7 +53,7 @@ from lightning_sgdtp.config import (
 )
 from lightning_sgdtp.engine.base import EngineInputs, StepEngine
 from lightning_sgdtp.engine.compiled import CompiledStep
-from lightning_sgdtp.engine.parallelize import is_tensor_parallel
+from lightning_sgdtp.engine.parallelize import is_tensor_parallel, start_from_rank_0, to_device
 from lightning_sgdtp.engine.pipelined import PipelinedStep
 from lightning_sgdtp.engine.step_compile import check_not_compiled
 from lightning_sgdtp.faults import FaultGuard
@@ -64,7 +61,7 @@ from lightning_sgdtp.grad_sync import GradSync
 from lightning_sgdtp.layout import ParallelDims
 from lightning_sgdtp.ledger import GradLedger
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
-from lightning_sgdtp.planner.auto import given_options, plan_at_setup
+from lightning_sgdtp.planner.auto import given_options
 from lightning_sgdtp.preemption import Preempted, PreemptionCoordinator
 from lightning_sgdtp.report import PlanReport, plan_dict
 from lightning_sgdtp.resume import ResumableLoader
@@ -283,33 +280,23 @@ class SGDTPStrategy(ParallelStrategy):
         )
         env = self.cluster_environment
         assert env is not None
-        expected = self.num_nodes * self.num_processes
-        rendezvous.check_world_size(type(env).__name__, env.world_size(), self.num_processes, self.num_nodes)
         requeue = isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None
         if requeue and self._preemption is None:
             self._preemption = PreemptionCoordinator(env.requeue_signal)
-        config, device = self._config, self.root_device
-        rendezvous.init_process_group(
-            env.main_address, env.main_port, self.global_rank, expected, self._process_group_backend,
-            config.collective_timeout, config.rendezvous_timeout, device if device.type != "cpu" else None,
+        cluster = processes.Cluster(
+            env.main_address, env.main_port, self.global_rank, self.num_processes, self.num_nodes, type(env).__name__,
+            env.world_size(),
         )  # fmt: skip
-        self._guard.start(env.main_address, env.main_port, self.global_rank, expected)
-        if expected > 1 and self._watchdog is None:  # a rank blocked in a collective still ends on a signal
-            self._watchdog = ShutdownWatchdog(
-                self.global_rank, self._guard.where, lambda text: self._guard.report(RuntimeError(text)),
-                grace=config.shutdown_grace, ignore=(self._preemption.signum,) if self._preemption else (),
-            )  # fmt: skip
-            self._watchdog.install()
-        # Before any compile: a cache folder that cannot be written fails here, named, on the rank that sees it.
-        check_cache_folders(config.compile_cache)
-        lines: list[str] = []
-        if self._config.planned:  # parallelism="auto": the layout chosen here, on every rank alike
-            planned = (self._given, self.lightning_module, self.world_size, self.num_processes, device)
-            self._config, self._planner, lines = plan_at_setup(self._config, *planned, self.precision_plugin.precision)
-        if self._dims is None:  # sizes, the rank grid (topology), every mesh: built once, one line each
-            args = (self._config, self.world_size, self.num_processes, self.num_nodes, device.type)
-            self._dims, more = ParallelDims.for_cluster(*args)
-            lines += more
+        ignore = (self._preemption.signum,) if self._preemption else ()
+        device = self.root_device
+        self._watchdog = processes.join(
+            self._config, cluster, self._process_group_backend, device, self._guard, self._watchdog, ignore
+        )
+        module, precision = lambda: self.lightning_module, self.precision_plugin.precision
+        self._config, planner, self._dims, lines = processes.lay_out(
+            self._config, self._given, module, cluster, device, precision, self._dims
+        )
+        self._planner = planner or self._planner
         for line in lines:
             self._report.say(line)
 
@@ -326,10 +313,7 @@ class SGDTPStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        # Every replica starts from rank 0's weights and buffers, as with DDP (a module on its mesh already, from an
-        # earlier trainer function, keeps its values).
-        if not is_tensor_parallel(self.model):
-            _sync_module_states(self.model, _group.WORLD, _BROADCAST_BUCKET_BYTES, 0, set())
+        start_from_rank_0(self.model, _BROADCAST_BUCKET_BYTES)
         self._settings = model_settings.for_training(self.model, self._report.say)
         engine = self._engine_for(self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -513,8 +497,7 @@ class SGDTPStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if not is_tensor_parallel(self.model):  # a module on its mesh (fit, then validate) stays on its devices
-            self.model.to(self.root_device)
+        to_device(self.model, self.root_device)  # a module on its mesh (fit, then validate) stays on its devices
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

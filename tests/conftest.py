@@ -38,6 +38,7 @@ FILE_SECONDS = {
     "test_slurm.py": 135,
     "test_compile_cache.py": 123,
     "test_tensor_parallel.py": 111,
+    "test_fabric.py": 110,
     "test_no_hang.py": 110,
     "test_killed_compile.py": 87,
     "test_cli.py": 66,

@@ -31,7 +31,7 @@ from lightning_sgdtp.compiler.backend import CompileSettings, SGDTPCompiler
 from lightning_sgdtp.compiler.bucket_cost import CostModel
 from lightning_sgdtp.engine.base import Clip, EngineInputs, StepEngine, broadcast_buffers
 from lightning_sgdtp.engine.parallelize import PartPlan, parallelize, plan_part, sync_line
-from lightning_sgdtp.engine.step_compile import restore_bookkeeping, run_bookkeeping_eagerly
+from lightning_sgdtp.engine.step_compile import compile_step, restore_bookkeeping, run_bookkeeping_eagerly
 from lightning_sgdtp.grad_sync import GradSync
 from lightning_sgdtp.parallel.clipping import clip_grad_norm_
 from lightning_sgdtp.parallel.tensor import TensorPlan
@@ -50,23 +50,26 @@ class CompiledStep(StepEngine):
         self._compiled_for: tuple[int, bool] | None = None
         self._cache_published = False
         self._cost: CostModel | None = None
+        self._step_name = "training_step"
         #: With gradient accumulation: the backend of the micro-batches that only accumulate (no collectives).
         self.accumulating_compiler: SGDTPCompiler | None = None
 
     # ------------------------------------------------------------------------------------------- setup
-    def setup(self, fitting: bool, accumulate: int) -> Clip | None:
-        """The module's plan, applied once (what is applied already is skipped: fit, then validate). Returns the
-        clipping function by the norm over every shard (None for Lightning's own, with replicas alone)."""
+    def setup(self, fitting: bool, accumulate: int, step: str = "training_step") -> Clip | None:
+        """The module's plan, applied once (what is applied already is skipped: fit, then validate). ``step``: the
+        method compiled (Fabric's ``_call_impl``). Returns the clipping function by the norm over every shard (None
+        for Lightning's own, with replicas alone)."""
         module, say = self.module, self.report.say
-        plan = plan_part(self.config, self.dims, module, fitting=fitting, device_type=self.device.type)
+        plan = plan_part(self.config, self.dims, module, fitting=fitting, device_type=self.device.type, step=step)
+        self._step_name = step
         # A new pair of backends (new objects, so Dynamo compiles afresh) for a new module or a new sync mode: graphs
         # compiled for another module or without collectives must never be reused.
         key = (id(module), accumulate > 1)
         if plan.compile is not None and self.compiler is not None and self._compiled_for == key:
             plan = dataclasses.replace(plan, compile=None)
         self.part_plan = plan
-        if fitting:
-            run_bookkeeping_eagerly(module)
+        if fitting:  # under Fabric, self.log forwards to fabric.log: kept, eagerly
+            run_bookkeeping_eagerly(module, keep_logging=step != "training_step")
         done = parallelize(module, plan, self.dims, backends=lambda part: self._backends(plan, accumulate))
         self.tensor_plan = plan.tensor_plan or self.tensor_plan
         self.shard_plan = done.shard_plan or self.shard_plan
@@ -104,17 +107,30 @@ class CompiledStep(StepEngine):
             # collective_timeout/4, then compile beside it) and load side by side (compiler/artifacts.CompileLock).
             lock = CompileLock(Path(cache_dir()) / "sgdtp-compile.lock", config.collective_timeout / 4)
             settings = dataclasses.replace(settings, compile_lock=lock)
-        group = self.dims.dp_group
-        self.compiler = SGDTPCompiler(config, group, names, self._on_graph, settings=settings)
+        self.compiler = SGDTPCompiler(config, self.dims.dp_group, names, self._on_graph, settings=settings)
         if accumulate == 1:
             return [self.compiler]
-        # The micro-batches that only accumulate run graphs compiled without collectives (a second backend object:
-        # Dynamo keeps both graphs and guards on which backend runs).
+        return [self.compiler, self._accumulating_backend()]
+
+    def _accumulating_backend(self) -> SGDTPCompiler:
+        """The backend of the micro-batches that only accumulate: the synced one's, without collectives (a second
+        backend object: Dynamo keeps both graphs and guards on which backend runs)."""
+        assert self.compiler is not None
+        sync = self.compiler
         self.accumulating_compiler = SGDTPCompiler(
-            config, group, names, self._on_graph, graph_ids=self.compiler.graph_ids,
-            settings=dataclasses.replace(settings, in_graph_sync=False),
+            self.config, sync.group, sync.param_names, self._on_graph, graph_ids=sync.graph_ids,
+            settings=dataclasses.replace(sync.settings, in_graph_sync=False),
         )  # fmt: skip
-        return [self.compiler, self.accumulating_compiler]
+        return self.accumulating_compiler
+
+    def add_accumulating_step(self) -> None:
+        """Fabric's first ``no_backward_sync``: the step compiled for the micro-batches that only accumulate (the
+        Trainer knows ``accumulate_grad_batches`` at setup, and made it there). Idempotent."""
+        if self.accumulating_compiler is not None or not self._steps:
+            return
+        self._steps.append(compile_step(getattr(self.module, self._step_name), self._accumulating_backend()))
+        if self.grad_sync is not None:
+            self.grad_sync.accumulation = True
 
     def _cost_model(self) -> CostModel:
         """The link and the device measured once per engine (a collective over the data-parallel group)."""

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
@@ -165,10 +166,13 @@ def plan_part(
     fitting: bool = True,
     stage_blocks: Sequence[str] = (),
     device_type: str = "cpu",
+    step: str = "training_step",
 ) -> PartPlan:
     """What remains to apply to ``module`` (one of :data:`PARTS`) for ``config`` on ``dims``; ``stage_blocks``: the
     blocks of every stage (for a stage); ``fitting``: ``trainer.fit`` (else evaluation: no checkpointing, and the
-    model's step is not compiled). Pure: reads, never changes, the module."""
+    model's step is not compiled); ``step``: the method of the model that is compiled (the Trainer's
+    ``training_step``, Fabric's ``_call_impl``: the module's call, its hooks included). Pure: reads, never changes,
+    the module."""
     if part not in PARTS:
         raise ValueError(f"part={part!r}: one of {PARTS}")
     stage, whole, pipelined = part == "stage", part == "model", part != "model"
@@ -198,7 +202,7 @@ def plan_part(
         notes = ("NEGATIVE CONTROL: the sharded parameters' gradients are NOT reduce-scattered",)
     return PartPlan(
         tensor_plan, sharding, checkpoint,
-        compile="forward" if stage else "training_step" if whole and fitting else None,
+        compile="forward" if stage else step if whole and fitting else None,
         dp_sync=dp_sync, in_graph_sync=in_graph, prove_shards=dp_sync,
         # A measured plan's boundaries enter the graphs' cache key: with the compile cache (bundles other nodes
         # reuse) buckets are capped at 25 MiB instead, the same everywhere.
@@ -362,6 +366,22 @@ def tracing(module: nn.Module) -> Iterator[None]:
     ``torch.export`` sees plain tensors. Nothing to do for a module of plain parameters."""
     with whole_for_tracing(module), hooks_set_aside(module):
         yield
+
+
+def start_from_rank_0(module: nn.Module, bucket_bytes: int) -> None:
+    """Every replica starts from rank 0's weights and buffers, as with DDP; a module on its mesh already (split or
+    sharded by an earlier trainer function) keeps its values."""
+    import torch.distributed as dist
+    from torch.distributed.utils import _sync_module_states
+
+    if not is_tensor_parallel(module):
+        _sync_module_states(module, dist.group.WORLD, bucket_bytes, 0, set())
+
+
+def to_device(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)``, unless it sits on its mesh already (``module.to`` cannot move DTensor parameters)."""
+    if not is_tensor_parallel(module):
+        module.to(device)
 
 
 def is_tensor_parallel(module: nn.Module) -> bool:

@@ -52,9 +52,10 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
     """Stands in for ``self.log`` of a LightningModule without a Trainer (Lightning would warn at every call)."""
 
 
-def run_bookkeeping_eagerly(module: nn.Module) -> None:
-    """Wrap the bookkeeping methods of ``module`` in ``torch.compiler.disable`` (instance attributes)."""
-    has_trainer = getattr(module, "_trainer", None) is not None
+def run_bookkeeping_eagerly(module: nn.Module, keep_logging: bool = False) -> None:
+    """Wrap the bookkeeping methods of ``module`` in ``torch.compiler.disable`` (instance attributes).
+    ``keep_logging``: ``self.log`` works without a Trainer (Fabric's, set after setup): kept, not silenced."""
+    has_trainer = keep_logging or getattr(module, "_trainer", None) is not None
     for owner, hook in bookkeeping_hooks(module):
         logging_without_trainer = owner is module and hook in LOGGING_HOOKS and not has_trainer
         setattr(owner, hook, _no_log if logging_without_trainer else torch.compiler.disable(getattr(owner, hook)))
@@ -82,17 +83,19 @@ def compile_step(fn: Callable[..., Any], backend: Any) -> Callable[..., Any]:
     return torch.compile(fn, backend=backend)
 
 
-def check_not_compiled(module: nn.Module) -> None:
-    """Refuse a module the user compiled already: the strategy compiles the step itself, with its own backend."""
+def check_not_compiled(module: nn.Module, who: str = "trainer.fit()") -> None:
+    """Refuse a module the user compiled already (``torch.compile(model)`` or ``model.compile()``): the strategy
+    compiles the step itself, with its own backend. ``who``: the call that got it, named in the error."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     from lightning_sgdtp.config import SGDTPConfigError
 
-    if getattr(module, "_compiler_ctx", None) is not None or isinstance(module, OptimizedModule):
+    compiled_in_place = getattr(module, "_compiled_call_impl", None) is not None
+    if getattr(module, "_compiler_ctx", None) is not None or isinstance(module, OptimizedModule) or compiled_in_place:
         raise SGDTPConfigError(
-            "trainer.fit() got a torch.compile()d LightningModule. The sgdtp strategy compiles the training step"
+            f"{who} got a torch.compile()d {type(getattr(module, '_orig_mod', module)).__name__}. The sgdtp strategy compiles the training step"
             " itself (with its own backend, which puts gradient communication in the graph): pass the plain"
-            " LightningModule, i.e. drop the torch.compile(...) call."
+            " module, i.e. drop the torch.compile(...) call."
         )
     compiled = [name for name, m in module.named_modules() if isinstance(m, OptimizedModule)]
     if compiled:

@@ -62,10 +62,19 @@ def _sum_of_powers(params: list[Tensor], norm_type: float, holders: dict[int, in
     return total
 
 
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
-    """Scale all gradients so that their global norm is at most ``max_norm`` (torch's rule); returns the norm."""
+def clip_grad_norm_(
+    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> Tensor:
+    """Scale all gradients so that their global norm is at most ``max_norm`` (torch's rule); returns the norm.
+    ``error_if_nonfinite``: a NaN or infinite norm raises (as torch's), before any gradient is scaled."""
     params = [p for p in parameters if p.grad is not None]
     total = global_grad_norm(params, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it cannot"
+            " be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set"
+            " `error_if_nonfinite=False`"
+        )
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     for p in params:
         local = local_shard(p.grad)

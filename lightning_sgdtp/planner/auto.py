@@ -43,6 +43,7 @@ def plan_at_setup(
     devices_per_node: int,
     device: torch.device,
     precision: str,
+    fixed: dict[str, Any] | None = None,
 ) -> tuple[SGDTPConfig, dict[str, Any], list[str]]:
     """The strategy's setup with ``parallelism="auto"`` (every rank; the measurement is a collective over the
     world): the resolved options, ``strategy.plan["planner"]`` and the lines for rank 0."""
@@ -50,7 +51,8 @@ def plan_at_setup(
 
     hardware = hardware_for(device, measure(None, device))
     half = str(precision).startswith(("bf16", "16"))
-    resolved, result, lines = decide(config, given, module, world_size, devices_per_node, hardware, 2 if half else 4)
+    args = (config, given, module, world_size, devices_per_node, hardware, 2 if half else 4)
+    resolved, result, lines = decide(*args, fixed=fixed)
     return resolved, result.to_dict(), lines
 
 
@@ -134,10 +136,12 @@ def decide(
     devices_per_node: int,
     hardware: Hardware,
     activation_bytes: int,
+    fixed: dict[str, Any] | None = None,
 ) -> tuple[SGDTPConfig, Plan, list[str]]:
-    """Plan ``module`` over the job's ranks; the resolved options, the whole table and one line per decision."""
+    """Plan ``module`` over the job's ranks; the resolved options, the whole table and one line per decision.
+    ``fixed``: fields the front end fixes besides the user's options (Fabric: ``{"pp": 1}``)."""
     batch, tokens, source = batch_shape(module)
-    fixed = fixed_fields(config, given)
+    fixed = {**(fixed or {}), **fixed_fields(config, given)}
     try:
         model = profile(module, tokens, batch, activation_bytes)
         result = plan(module, model, hardware, world_size, devices_per_node, config.max_memory_per_rank, fixed=fixed)

@@ -51,11 +51,12 @@ class Case:
 TENSOR, HYBRID = {"parallelism": "tensor"}, {"parallelism": "hybrid", "tensor_parallel_size": 2}
 CASES = {
     "tensor_gpt_clip": Case(
-        "tensor, 2 ranks, small GPT (fused qkv, tied head), gradient_clip_val active",
+        "tensor, 2 ranks, small GPT (fused qkv, tied head), gradient_clip_val active, sequence parallel; validation"
+        " through the split model, twice",
         "small_gpt",
         2,
-        TENSOR,
-        {"gradient_clip_val": 0.3},
+        {**TENSOR, "sequence_parallel": True},
+        {"gradient_clip_val": 0.3, "limit_val_batches": 2, "val_check_interval": 3},
     ),
     "tensor_mha": Case(
         "tensor, 2 ranks, nn.TransformerEncoderLayer (MultiheadAttention replicated)", "MHALanguageModel", 2, TENSOR
@@ -92,8 +93,8 @@ NO_DP_SYNC = Case(
     {**HYBRID, "debug_skip_sync": "dp-sync"},
 )
 #: The slow tier (tests/README.md): other models and options over the same split. The default run keeps tensor
-#: (GPT: fused qkv, tied head, clipping) and hybrid (GPT, sequence parallel, validation).
-SLOW = {"tensor_mha", "tensor_llama_bf16", "hybrid_mha_clip"}
+#: (GPT: fused qkv, tied head, clipping, sequence parallel, validation); hybrid: the zoo's gpt2_hybrid_sharded.
+SLOW = {"tensor_mha", "tensor_llama_bf16", "hybrid_mha_clip", "hybrid_gpt"}
 _RESULTS: dict[str, dict] = {}
 
 
@@ -145,9 +146,11 @@ def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFac
         assert plan["bytes_per_step"]["total"] == 0  # no gradient all-reduce at dp=1
 
 
-@pytest.mark.covers("hybrid", "validate")
-def test_validation_runs_through_the_split_model(tmp_path_factory: pytest.TempPathFactory) -> None:
-    r = result("hybrid_gpt", tmp_path_factory)
+@pytest.mark.covers("tensor", "validate", param="tensor_gpt_clip")
+@pytest.mark.covers("hybrid", "validate", param="hybrid_gpt")
+@pytest.mark.parametrize("name", tiered(["tensor_gpt_clip", "hybrid_gpt"], {"hybrid_gpt"}))
+def test_validation_runs_through_the_split_model(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    r = result(name, tmp_path_factory)
     plan = r["info"]["plans"][0]["tensor_parallel_plan"]
     assert plan["styles"]["model.blocks.0.attn.qkv"] == "colwise"
     assert plan["replicated"]["model.pos_emb"].startswith("not the token embedding")

@@ -83,6 +83,43 @@ def test_lightning_pytorch_trainer_resolves_sgdtp_lazily(tmp_path):
     assert r["registry_now_real_class"]
 
 
+# (a') -----------------------------------------------------------------------------------------------
+@installed
+def test_fabric_resolves_sgdtp_lazily_in_both_namespaces(tmp_path):
+    """``Fabric(strategy="sgdtp")`` with nothing imported: ``lightning.fabric`` gets SGDTPFabricStrategy, the
+    standalone ``lightning_fabric`` its twin (``lightning.fabric`` rewritten), and neither imports the Trainer's
+    namespace of the other package."""
+    r = run_py(
+        """
+        import json, sys
+        from lightning.fabric import Fabric
+        from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+        before = {
+            "registered": "sgdtp" in STRATEGY_REGISTRY,
+            "imported": sorted(m for m in sys.modules if m.startswith("lightning_sgdtp")),
+        }
+        fabric = Fabric(strategy="sgdtp", accelerator="cpu", devices=2)
+        from lightning_sgdtp.fabric_strategy import SGDTPFabricStrategy
+        import lightning_fabric
+        twin_fabric = lightning_fabric.Fabric(strategy="sgdtp", accelerator="cpu", devices=2)
+        twin = type(twin_fabric.strategy)
+        print("RESULT " + json.dumps({
+            "before": before,
+            "is_real_class": type(fabric.strategy) is SGDTPFabricStrategy,
+            "twin_module": twin.__module__,
+            "twin_is_fabric_strategy": isinstance(twin_fabric.strategy, lightning_fabric.strategies.Strategy),
+            "no_lightning_fabric_in_twin_mro": not any(c.__module__.startswith("lightning.") for c in twin.__mro__),
+        }))
+        """,
+        tmp_path,
+    )
+    assert r["before"] == {"registered": True, "imported": []}
+    assert r["is_real_class"]
+    assert r["twin_module"] == "lightning_sgdtp._lf_strategy"
+    assert r["twin_is_fabric_strategy"] and r["no_lightning_fabric_in_twin_mro"]
+
+
 # (b) ------------------------------------------------------------------------------------------------
 @installed
 @needs_pl

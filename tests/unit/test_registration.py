@@ -60,7 +60,7 @@ def test_hook_failure_warns_and_never_raises():
 
     with pytest.warns(RuntimeWarning, match="boom"):
         hook._register(types.SimpleNamespace(StrategyRegistry=Broken(), __name__="x.strategies"), "lightning.pytorch")
-    with pytest.warns(RuntimeWarning, match="no StrategyRegistry"):
+    with pytest.warns(RuntimeWarning, match="no strategy registry"):
         hook._register(types.SimpleNamespace(__name__="x.strategies"), "lightning.pytorch")
 
 

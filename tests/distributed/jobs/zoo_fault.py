@@ -3,7 +3,8 @@ sends a signal). The default ``collective_timeout`` (1800 s) is kept: the job mu
 
 Usage: python tests/distributed/jobs/zoo_fault.py OUT_DIR [SCENARIO], the scenario (JSON; else
 OUT_DIR/scenario.json) = {"model": zoo name, "devices": N, "sgdtp": SGDTPStrategy kwargs, "fail_rank": r,
-"fail_step": s, "where": "training_step" | "backward" | "callback" | "checkpoint" | "hang"} (no ``fail_rank``: nothing is
+"fail_step": s, "where": "training_step" | "backward" | "callback" | "checkpoint" | "hang", "front": "fabric" for a
+Fabric loop} (no ``fail_rank``: nothing is
 injected; the run is long enough for a signal to arrive mid-step). Every rank writes ``OUT/step-<rank>`` (its pid)
 when it starts step 1, so the test knows the job is training; the failing rank writes ``OUT/struck`` (the time)
 right before it raises.
@@ -76,9 +77,41 @@ class Marks(L.Callback):
             trainer.save_checkpoint(self.out / "ckpt" / f"step{trainer.global_step}.ckpt")
 
 
+def fabric_loop(out: Path, scenario: dict[str, Any], fail: tuple[int, int] | None) -> None:
+    """The same model and failure in a Fabric loop (``"front": "fabric"``): rank ``fail[0]`` raises in its loop at
+    step ``fail[1]``, after the forward, before ``fabric.backward``; Fabric has no ``on_exception`` hook."""
+    import torch
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    from lightning_sgdtp import SGDTPFabricStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=scenario["devices"], strategy=SGDTPFabricStrategy(**scenario["sgdtp"]))
+    fabric.launch()
+    torch.manual_seed(0)
+    module = ZooModule(scenario["model"]).model
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    data = fabric.setup_dataloaders(zoo_data(scenario["model"], 64, batch_size=scenario.get("batch", 4)))
+    step, steps = 0, scenario.get("steps", 6 if fail else 100_000)
+    while step < steps:
+        for x, y in data:
+            if step == 1:
+                (out / f"step-{fabric.global_rank}").write_text(str(os.getpid()))
+            logits = model(x)
+            if fail == (fabric.global_rank, step):
+                (out / "struck").write_text(repr(time.time()))
+                raise InjectedFailure(f"injected failure in the loop on rank {fabric.global_rank} at step {step}")
+            fabric.backward(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+
+
 def main(out: Path) -> None:
     scenario = read_scenario(out, sys.argv[2] if len(sys.argv) > 2 else None)
     fail = (scenario["fail_rank"], scenario["fail_step"]) if "fail_rank" in scenario else None
+    if scenario.get("front") == "fabric":
+        return fabric_loop(out, scenario, fail)
     L.seed_everything(0, verbose=False)
     model = Failing(scenario["model"], fail, scenario.get("where", "training_step"), out)
     steps = scenario.get("steps", 6 if fail else 100_000)

@@ -1,0 +1,579 @@
+"""``SGDTPFabricStrategy``: Fabric glue (``Fabric(strategy="sgdtp")``), beside the Trainer's ``SGDTPStrategy``.
+
+The same options (:class:`~lightning_sgdtp.config.SGDTPConfig`), processes and layout (:mod:`lightning_sgdtp.processes`),
+engine (:class:`~lightning_sgdtp.engine.compiled.CompiledStep`), gradient sync and checkpoints
+(:mod:`lightning_sgdtp.checkpoints`) as the Trainer strategy; only the hooks differ. Fabric has no
+``training_step``: the module ``fabric.setup`` returns runs its call (``_call_impl``: forward and its hooks)
+compiled by the ``"sgdtp"`` backend, so the gradient buckets are in the compiled backward ``fabric.backward`` runs;
+what the loop computes eagerly around it (the loss) is covered by the ledger. ``fabric.no_backward_sync`` runs
+the graphs without collectives (compiled on first use), and the accumulated sum is averaged during the next
+synced micro-batch, as with the Trainer.
+
+Pipeline stages are refused: a Fabric loop has no step boundary the strategy could cut into micro-batches.
+
+Imports ``lightning.fabric`` only (never ``lightning.pytorch``). Checkpoints are the Trainer's layout
+(``state_dict``, ``optimizer_states``), so a Fabric checkpoint resumes under the Trainer and back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _sync_ddp_if_available
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_sgdtp import checkpoints, comm, model_settings, processes
+from lightning_sgdtp.config import (
+    SGDTPConfig,
+    SGDTPConfigError,
+    check_fabric_options,
+    check_process_group_backend,
+    check_trainer_plugins,
+    strategy_docs,
+    strategy_signature,
+)
+from lightning_sgdtp.engine.base import BROADCAST_BUCKET_BYTES, EngineInputs
+from lightning_sgdtp.engine.compiled import CompiledStep
+from lightning_sgdtp.engine.parallelize import start_from_rank_0, to_device
+from lightning_sgdtp.engine.step_compile import check_not_compiled
+from lightning_sgdtp.faults import FaultGuard
+from lightning_sgdtp.layout import ParallelDims
+from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
+from lightning_sgdtp.parallel.clipping import clip_grad_norm_
+from lightning_sgdtp.planner.auto import given_options
+from lightning_sgdtp.report import PlanReport, plan_dict
+from lightning_sgdtp.shutdown import ShutdownWatchdog
+from lightning_sgdtp.timeline import OPTIMIZER_LABEL, label
+
+#: The step Fabric's module runs compiled: the module's call, its forward hooks included (tensor parallel's).
+FABRIC_STEP = "_call_impl"
+
+_CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
+
+
+class SGDTPFabricStrategy(ParallelStrategy):
+    """``Fabric(strategy="sgdtp")`` or ``Fabric(strategy=SGDTPFabricStrategy(sharding="full", ...))``: the Trainer
+    strategy's options and engines for a Fabric loop (``docs/fabric.md``)."""
+
+    strategy_name = "sgdtp"
+
+    def __init__(
+        self,
+        *,
+        options: dict[str, Any] | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        **option_values: Any,
+    ) -> None:
+        given = {k: v for k, v in option_values.items() if v is not None}
+        self._config = config = SGDTPConfig.from_options(options, **given)  # a bad option fails here, unspawned
+        check_fabric_options(config)
+        self._given, self._planner = given_options(options, given), None
+        check_process_group_backend(process_group_backend)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._dims: ParallelDims | None = None
+        self._engine: CompiledStep | None = None
+        self._report = PlanReport()
+        self._settings = model_settings.TrainingSettings()
+        self._step = 0  # optimizer steps taken
+        self._guard = FaultGuard(config.collective_timeout, step=lambda: self._step)
+        self._watchdog: ShutdownWatchdog | None = None
+        self._backward_sync_control = _SGDTPBackwardSyncControl(self)
+        #: id(parameter before setup) -> (a weak reference to it, its name): optimizers made before the split.
+        self._names_before: dict[int, tuple[weakref.ref, str]] = {}
+        self._said_eager = False
+
+    # ----------------------------------------------------------------------------------------- properties
+    @property
+    def config(self) -> SGDTPConfig:
+        return self._config
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def dims(self) -> ParallelDims | None:
+        """Every parallel dimension, the rank grid and the meshes (known once the processes exist)."""
+        return self._dims
+
+    @property
+    def engine(self) -> CompiledStep | None:
+        return self._engine
+
+    @property
+    def grad_sync(self) -> Any:
+        return self._engine.grad_sync if self._engine is not None else None
+
+    @property
+    def dp_size(self) -> int:
+        return self._dims.dp if self._dims is not None else self.num_nodes * self.num_processes
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._dims is None:
+            if self._config.planned:
+                raise SGDTPConfigError(
+                    "parallelism='auto' chooses the layout at fabric.setup(model): call fabric.setup_dataloaders(...)"
+                    " after it (the data-parallel size decides which samples each rank reads)."
+                )
+            return {"num_replicas": self.dp_size, "rank": self.global_rank}
+        return self._dims.sampler_kwargs(self.global_rank)
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def plan(self) -> dict[str, Any]:
+        """Everything the plugin decided, as plain data (also written to ``sgdtp_plan.json``)."""
+        return plan_dict(
+            self._config, self._dims, self._engine, self._report.graph_breaks, world_size=self.world_size,
+            dp_size=self.dp_size, num_nodes=self.num_nodes, process_group_backend=self._process_group_backend,
+            planner=self._planner,
+        )  # fmt: skip
+
+    # ---------------------------------------------------------------------------------------- processes
+    @override
+    def _configure_launcher(self) -> None:
+        accelerator = self.accelerator
+        if accelerator is not None and not isinstance(accelerator, (CPUAccelerator, CUDAAccelerator)):
+            raise SGDTPConfigError(
+                f"Fabric(accelerator={type(accelerator).__name__}) is not supported by the sgdtp strategy: its"
+                " compiled collectives run on torch.distributed's gloo (CPU) or NCCL (CUDA). Use"
+                " Fabric(accelerator='cpu') or Fabric(accelerator='cuda')."
+            )
+        plugin = type(self.precision)
+        supported = plugin in (Precision, MixedPrecision, HalfPrecision)
+        check_trainer_plugins(None if supported else plugin.__name__, False, front="Fabric")
+        assert self.cluster_environment is not None
+        if not self._config.planned:  # sizes that cannot work fail here, before any process starts
+            ParallelDims.resolve(self._config, self.num_nodes * self.num_processes, self.num_processes, self.num_nodes)
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        self._report.rank = self.global_rank
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        self._watchdog = processes.join(
+            self._config, self._cluster(), self._process_group_backend, self.root_device, self._guard, self._watchdog
+        )
+        _report_uncaught(self)  # Fabric has no on_exception: an error that ends this rank ends its peers too
+        if not self._config.planned:
+            self._lay_out(None)
+
+    def _cluster(self) -> processes.Cluster:
+        env = self.cluster_environment
+        assert env is not None
+        return processes.Cluster(
+            env.main_address, env.main_port, self.global_rank, self.num_processes, self.num_nodes, type(env).__name__,
+            env.world_size(),
+        )  # fmt: skip
+
+    def _lay_out(self, module: nn.Module | None) -> None:
+        precision = str(self.precision.precision)
+        self._config, planner, self._dims, lines = processes.lay_out(
+            self._config, self._given, lambda: module, self._cluster(), self.root_device, precision, self._dims,
+            fixed={"pp": 1},
+        )  # fmt: skip
+        self._planner = planner or self._planner
+        for line in lines:
+            self._report.say(line)
+
+    def _set_world_ranks(self) -> None:  # the name Fabric's connector calls
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # -------------------------------------------------------------------------------------------- setup
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        module = self.setup_module(module)
+        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Lay ``module`` out (tensor parallel, sharding, checkpointing) and compile its call; returns the module
+        Fabric wraps (its forward runs the compiled step)."""
+        self._check_module(module)
+        if self._dims is None:  # parallelism="auto": planned for this module, on every rank alike
+            self._lay_out(module)
+        if self._config.activation_checkpointing and find_block_stack(module) is None:
+            raise SGDTPConfigError(no_block_stack_message(module))
+        assert self._dims is not None
+        self._names_before = {id(p): (weakref.ref(p), n) for n, p in module.named_parameters()}
+        start_from_rank_0(module, BROADCAST_BUCKET_BYTES)
+        self._settings = model_settings.for_training(module, self._report.say)
+        inputs = EngineInputs(
+            self._config, self._dims, self.root_device, self._report, self._guard, None, self._process_group_backend
+        )
+        self._engine = engine = CompiledStep(module, inputs)
+        self._report.folder = Path.cwd()
+        self._report.say(
+            f"Fabric: parallelism={self._config.parallelism}: {self.world_size} ranks ({self.num_nodes} node(s) x"
+            f" {self.num_processes}), data-parallel group of {self.dp_size}, backend={self._process_group_backend};"
+            f" {type(module).__name__}'s call compiled (forward and its hooks), fabric.backward runs its compiled"
+            " backward"
+        )
+        engine.setup(True, 1, step=FABRIC_STEP)
+        return _SGDTPModule(module, self)
+
+    def _check_module(self, module: nn.Module) -> None:
+        """What Fabric lets through and the strategy cannot run: a second model, a compiled or wrapped one."""
+        if self._engine is not None:
+            again = "the same model" if self._engine.module is module else f"a second model ({type(module).__name__})"
+            raise SGDTPConfigError(
+                f"fabric.setup() got {again}, but the sgdtp strategy runs one model per Fabric (one compiled step and"
+                " gradient sync): set up each model once, and put models trained together into one nn.Module."
+            )
+        pending = _pending_fabric_compile()
+        check_not_compiled(module, "fabric.setup()")
+        if pending:
+            raise SGDTPConfigError(
+                f"fabric.setup() got a torch.compile()d {type(module).__name__}. The sgdtp strategy compiles the"
+                " model's call itself (with its own backend, which puts gradient communication in the graph): pass"
+                " the plain module, i.e. drop the torch.compile(...) call."
+            )
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = [
+            f"{name or type(module).__name__} ({type(m).__name__})"
+            for name, m in module.named_modules()
+            if isinstance(m, (DistributedDataParallel, FullyShardedDataParallel, FSDPModule))
+        ]
+        if wrapped:
+            raise SGDTPConfigError(
+                f"fabric.setup() got a model wrapped for another strategy: {wrapped[:3]}. The sgdtp strategy lays the"
+                " model out itself (data, sharding, tensor parallel): pass the plain nn.Module, without"
+                " DistributedDataParallel / FSDP / fully_shard."
+            )
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """The optimizer of the set-up model: one made from the model before ``fabric.setup`` split its parameters
+        (tensor parallel, sharding) is pointed at the split ones, by name."""
+        if self._engine is None:
+            raise SGDTPConfigError(
+                "fabric.setup_optimizers() was called before the model was set up. With the sgdtp strategy set up the"
+                " model first (model = fabric.setup_module(model)), then the optimizer made from its parameters"
+                " (optimizer = fabric.setup_optimizers(optimizer)), or both at once: fabric.setup(model, optimizer)."
+            )
+        self._point_at_split_parameters(optimizer)
+        self._engine.setup_optimizers([optimizer])
+        return optimizer
+
+    def _point_at_split_parameters(self, optimizer: Optimizer) -> None:
+        assert self._engine is not None
+        module = self._engine.module
+        current = {id(p) for p in module.parameters()}
+        by_name = {n.replace(_CHECKPOINT_WRAPPED, ""): p for n, p in module.named_parameters()}
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                if id(p) in current:
+                    continue
+                ref, name = self._names_before.get(id(p), (None, None))
+                if ref is None or ref() is not p or name not in by_name:
+                    raise SGDTPConfigError(
+                        f"the optimizer {type(optimizer).__name__} steps a tensor of shape {tuple(p.shape)} that is"
+                        f" not a parameter of the set-up {type(module).__name__}. Make the optimizer from the model's"
+                        " parameters: fabric.setup(model, optimizer) or, after model = fabric.setup_module(model),"
+                        " optimizer = fabric.setup_optimizers(make_optimizer(model.parameters()))."
+                    )
+                if optimizer.state.get(p):
+                    raise SGDTPConfigError(
+                        f"the optimizer {type(optimizer).__name__} has state for {name!r} already, but fabric.setup"
+                        " split that parameter (tensor parallel / sharding). Set up the optimizer before its first"
+                        " step, or load its state after setup (fabric.load)."
+                    )
+                params[i] = by_name[name]
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        to_device(module, self.root_device)
+
+    # --------------------------------------------------------------------------------------------- steps
+    def forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """What the set-up module's forward runs: the compiled step while training; eagerly under ``no_grad`` /
+        ``eval()``, and for Fabric's redirected methods (``model.training_step(...)``: the ledger averages their
+        gradients after backward)."""
+        engine = self._engine
+        assert engine is not None
+        training = torch.is_grad_enabled() and module.training
+        if "forward" in module.__dict__ or not training:
+            if "forward" in module.__dict__ and not self._said_eager:
+                self._said_eager = True
+                self._report.say(
+                    "a method other than forward (fabric_model.<method>(...)) runs eagerly: its gradients are"
+                    " averaged after backward, not inside a compiled backward; call the model itself for the"
+                    " compiled step"
+                )
+            with engine.implicit_replication():
+                return module(*args, **kwargs)
+        engine.begin_step(self._step)
+        with label("sgdtp: forward"):
+            return engine.training_step(args, kwargs, None, [])
+
+    @override
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        # Fabric's Strategy.backward, with the gradient sync around the precision plugin's backward.
+        engine = self._engine
+        if engine is None:
+            return super().backward(tensor, module, *args, **kwargs)
+        self.precision.pre_backward(tensor, module)
+        engine.before_backward(tensor)
+        engine.backward(lambda: self.precision.backward(tensor, module, *args, **kwargs))
+        self.precision.post_backward(tensor, module)
+        return None
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        engine = self._engine
+        if engine is None:
+            return super().optimizer_step(optimizer, **kwargs)
+        engine.begin_step(self._step)
+        with self._guard("optimizer_step"), label(OPTIMIZER_LABEL):
+            out = super().optimizer_step(optimizer, **kwargs)
+        engine.after_optimizer_step(optimizer, self.global_rank)
+        self._step += 1
+        with label("sgdtp: publish plan"):
+            self._report.publish(lambda: self.plan, engine.plan_token())
+        return out
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """By the norm of the whole model: over every shard and tensor-parallel part (torch's rule otherwise)."""
+        if self._dims is None or not self._dims.on_mesh:
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        self.precision.unscale_gradients(optimizer)
+        params = list(self.precision.main_params(optimizer))
+        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+
+    # -------------------------------------------------------------------------------------- collectives
+    @override
+    def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            with self._guard("all_reduce"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        comm.barrier(self._guard, args[0] if args else "", self.root_device)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return comm.broadcast_object(self._guard, obj, src)
+
+    # -------------------------------------------------------------------------------------- checkpoints
+    @override
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        return _inner(module).state_dict()
+
+    @override
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        _inner(module).load_state_dict(state_dict, strict=strict)
+
+    @override
+    def save_checkpoint(
+        self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None, filter: dict | None = None
+    ) -> None:
+        """The Trainer strategy's layout (``state_dict``, ``optimizer_states``, the rest as given), so that either
+        front end resumes from it: one file from rank 0 for replicas, a sharded folder (every rank its part) on a
+        mesh; written atomically and recorded in the folder's manifest."""
+        if storage_options is not None or filter is not None:
+            raise TypeError(
+                "fabric.save(..., filter=...) / storage_options are not supported by the sgdtp strategy: it writes the"
+                " whole state (sharded on a mesh). Save without them."
+            )
+        from lightning_sgdtp.fabric_checkpoints import to_trainer_layout
+
+        module = self._engine.module if self._engine is not None else None
+        checkpoint = to_trainer_layout(state, module, by_name=self._sharded())
+        if self._sharded() and "state_dict" in checkpoint:
+            assert self._engine is not None
+            checkpoint["state_dict"] = self._engine.local_state_dict(checkpoint["state_dict"])
+        if self._sharded():
+            return self._checkpoints().save(checkpoint, path)
+        if self.is_global_zero:
+            checkpoints.save_file(checkpoint, Path(path), self._config.signing_key)
+        return None
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Either format (a Trainer checkpoint too), on any layout: what ``state`` names is loaded in place; the
+        rest is returned."""
+        from lightning_sgdtp.fabric_checkpoints import from_trainer_layout
+
+        path = Path(self.broadcast(str(path)))
+        module, optimizers = _module_and_optimizers(state)
+
+        def load_file(p: Path) -> dict[str, Any]:
+            if self._config.verify_artifacts:
+                checkpoints.verify_file(p, self._config.trusted_key)
+            return torch.load(p, map_location="cpu", weights_only=bool(weights_only))
+
+        rest, loaded = self._checkpoints().load(
+            path, module, optimizers, weights_only, load_file, on_mesh=self._sharded(), partial_optimizer=False
+        )
+        return from_trainer_layout(rest, state, loaded, strict, self.load_module_state_dict)
+
+    def _sharded(self) -> bool:
+        return self._dims is not None and self._dims.sharded_checkpoints
+
+    def _checkpoints(self) -> checkpoints.ShardedCheckpoints:
+        return checkpoints.ShardedCheckpoints(self._config, self.global_rank, self.broadcast, self.barrier, self._guard)
+
+    # ------------------------------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        """Undo what setup installed (Fabric does not call it: ``fabric.strategy.teardown()``, or at exit)."""
+        self._settings.restore()
+        if self._engine is not None:
+            self._engine.teardown(self.barrier if not self._guard.failed else lambda name: None)
+            self._engine = None
+        self._guard.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
+        super().teardown()
+
+
+SGDTPFabricStrategy.__init__.__signature__ = strategy_signature(SGDTPFabricStrategy.__init__)  # type: ignore[attr-defined]
+SGDTPFabricStrategy.__init__.__doc__ = strategy_docs()
+
+
+class _SGDTPModule(nn.Module):
+    """What ``fabric.setup`` wraps: the user's module, its call compiled by the strategy."""
+
+    def __init__(self, module: nn.Module, strategy: SGDTPFabricStrategy) -> None:
+        super().__init__()
+        self.module = module
+        self.__dict__["_sgdtp_strategy"] = strategy  # not a submodule
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__dict__["_sgdtp_strategy"].forward(self.module, args, kwargs)
+
+
+class _SGDTPBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: the micro-batches inside run graphs without collectives (compiled on the
+    first use); their sum is averaged during the next synced micro-batch, overlapped with it."""
+
+    def __init__(self, strategy: SGDTPFabricStrategy) -> None:
+        self.strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        engine = self.strategy.engine
+        if not enabled or engine is None or engine.grad_sync is None:
+            return nullcontext()
+        engine.add_accumulating_step()
+        return engine.grad_sync.no_sync()
+
+
+def _inner(module: nn.Module) -> nn.Module:
+    return module.module if isinstance(module, _SGDTPModule) else module
+
+
+def _module_and_optimizers(state: Any) -> tuple[nn.Module | None, list[Optimizer]]:
+    items = state.values() if isinstance(state, dict) else [state] if state is not None else []
+    modules = [_inner(v) for v in items if isinstance(v, nn.Module)]
+    return (modules[0] if modules else None), [v for v in items if isinstance(v, Optimizer)]
+
+
+def _pending_fabric_compile() -> bool:
+    """Whether Fabric stripped a ``torch.compile`` wrapper off the module it is setting up (it re-applies it to what
+    the strategy returns, which would trace the step with the user's backend, not ours). Read from Fabric.setup's
+    frame: Fabric does not tell the strategy."""
+    from lightning.fabric import Fabric
+
+    codes = {Fabric.setup.__code__, Fabric.setup_module.__code__}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            return frame.f_locals.get("compile_kwargs") is not None
+        frame = frame.f_back
+    return False
+
+
+def _report_uncaught(strategy: SGDTPFabricStrategy) -> None:
+    """An exception that ends this rank's script is told to the peers first (they stop within seconds, naming it):
+    Fabric has no ``on_exception`` hook."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        with contextlib.suppress(Exception):
+            strategy._guard.report(exc)
+            if strategy._watchdog is not None:
+                strategy._watchdog.failed(exc)
+        previous(kind, exc, tb)
+
+    if getattr(previous, "_sgdtp", False):
+        return
+    hook._sgdtp = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
