@@ -30,7 +30,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _sync_ddp_if_available
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sgdtp import checkpoints, comm, model_settings, processes
+from lightning_sgdtp import checkpoints, model_settings, processes
 from lightning_sgdtp.config import (
     SGDTPConfig,
     SGDTPConfigError,
@@ -55,11 +55,12 @@ from lightning_sgdtp.engine.compiled import CompiledStep
 from lightning_sgdtp.engine.parallelize import start_from_rank_0, to_device
 from lightning_sgdtp.engine.step_compile import check_not_compiled
 from lightning_sgdtp.faults import FaultGuard
+from lightning_sgdtp.front_end import FrontEnd
 from lightning_sgdtp.layout import ParallelDims
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
 from lightning_sgdtp.parallel.clipping import clip_grad_norm_
 from lightning_sgdtp.planner.auto import given_options
-from lightning_sgdtp.report import PlanReport, plan_dict
+from lightning_sgdtp.report import PlanReport
 from lightning_sgdtp.shutdown import ShutdownWatchdog
 from lightning_sgdtp.timeline import OPTIMIZER_LABEL, label
 
@@ -69,7 +70,7 @@ FABRIC_STEP = "_call_impl"
 _CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
 
 
-class SGDTPFabricStrategy(ParallelStrategy):
+class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
     """``Fabric(strategy="sgdtp")`` or ``Fabric(strategy=SGDTPFabricStrategy(sharding="full", ...))``: the Trainer
     strategy's options and engines for a Fabric loop (``docs/fabric.md``)."""
 
@@ -113,45 +114,6 @@ class SGDTPFabricStrategy(ParallelStrategy):
 
     # ----------------------------------------------------------------------------------------- properties
     @property
-    def config(self) -> SGDTPConfig:
-        return self._config
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def dims(self) -> ParallelDims | None:
-        """Every parallel dimension, the rank grid and the meshes (known once the processes exist)."""
-        return self._dims
-
-    @property
-    def engine(self) -> CompiledStep | None:
-        return self._engine
-
-    @property
-    def grad_sync(self) -> Any:
-        return self._engine.grad_sync if self._engine is not None else None
-
-    @property
-    def dp_size(self) -> int:
-        return self._dims.dp if self._dims is not None else self.num_nodes * self.num_processes
-
-    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         if self._dims is None:
@@ -162,19 +124,6 @@ class SGDTPFabricStrategy(ParallelStrategy):
                 )
             return {"num_replicas": self.dp_size, "rank": self.global_rank}
         return self._dims.sampler_kwargs(self.global_rank)
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    @property
-    def plan(self) -> dict[str, Any]:
-        """Everything the plugin decided, as plain data (also written to ``sgdtp_plan.json``)."""
-        return plan_dict(
-            self._config, self._dims, self._engine, self._report.graph_breaks, world_size=self.world_size,
-            dp_size=self.dp_size, num_nodes=self.num_nodes, process_group_backend=self._process_group_backend,
-            planner=self._planner,
-        )  # fmt: skip
 
     # ---------------------------------------------------------------------------------------- processes
     @override
@@ -190,8 +139,7 @@ class SGDTPFabricStrategy(ParallelStrategy):
         supported = plugin in (Precision, MixedPrecision, HalfPrecision)
         check_trainer_plugins(None if supported else plugin.__name__, False, front="Fabric")
         assert self.cluster_environment is not None
-        if not self._config.planned:  # sizes that cannot work fail here, before any process starts
-            ParallelDims.resolve(self._config, self.num_nodes * self.num_processes, self.num_processes, self.num_nodes)
+        self._check_sizes()
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
@@ -415,14 +363,6 @@ class SGDTPFabricStrategy(ParallelStrategy):
             with self._guard("all_reduce"):
                 return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        comm.barrier(self._guard, args[0] if args else "", self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return comm.broadcast_object(self._guard, obj, src)
 
     # -------------------------------------------------------------------------------------- checkpoints
     @override

@@ -32,7 +32,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -57,13 +56,13 @@ from lightning_sgdtp.engine.parallelize import is_tensor_parallel, start_from_ra
 from lightning_sgdtp.engine.pipelined import PipelinedStep
 from lightning_sgdtp.engine.step_compile import check_not_compiled
 from lightning_sgdtp.faults import FaultGuard
-from lightning_sgdtp.grad_sync import GradSync
+from lightning_sgdtp.front_end import FrontEnd
 from lightning_sgdtp.layout import ParallelDims
 from lightning_sgdtp.ledger import GradLedger
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
 from lightning_sgdtp.planner.auto import given_options
 from lightning_sgdtp.preemption import Preempted, PreemptionCoordinator
-from lightning_sgdtp.report import PlanReport, plan_dict
+from lightning_sgdtp.report import PlanReport
 from lightning_sgdtp.resume import ResumableLoader
 from lightning_sgdtp.shutdown import ShutdownWatchdog
 from lightning_sgdtp.timeline import CLOSURE_LABEL, OPTIMIZER_LABEL, label, labelled
@@ -101,7 +100,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
 
-class SGDTPStrategy(ParallelStrategy):
+class SGDTPStrategy(FrontEnd, ParallelStrategy):
     """Data-parallel training with the step compiled and gradient communication inside the compiled backward.
 
     ``Trainer(strategy="sgdtp")`` or ``Trainer(strategy=SGDTPStrategy(bucket_cap_mb=25, ...))``. Every option
@@ -153,10 +152,6 @@ class SGDTPStrategy(ParallelStrategy):
 
     # ----------------------------------------------------------------------------------------- properties
     @property
-    def config(self) -> SGDTPConfig:
-        return self._config
-
-    @property
     def _lightning_module(self) -> pl.LightningModule | None:
         return self.__dict__.get("_lm")
 
@@ -171,48 +166,12 @@ class SGDTPStrategy(ParallelStrategy):
         self.__dict__["_lm"] = module
 
     @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
     def is_distributed(self) -> bool:
         return True
 
     @property
-    def dims(self) -> ParallelDims | None:
-        """Every parallel dimension, the rank grid and the meshes (known once the processes exist)."""
-        return self._dims
-
-    @property
-    def engine(self) -> StepEngine | None:
-        """What runs the steps: the compiled engine or the pipelined one (chosen at setup)."""
-        return self._engine
-
-    @property
-    def grad_sync(self) -> GradSync | None:
-        return self._engine.grad_sync if self._engine is not None else None
-
-    @property
     def ledger(self) -> GradLedger | None:
         return self.grad_sync.ledger if self.grad_sync is not None else None
-
-    @property
-    def dp_size(self) -> int:
-        return self._dims.dp if self._dims is not None else self.num_nodes * self.num_processes
 
     @property
     def device_mesh(self) -> Any | None:
@@ -239,19 +198,6 @@ class SGDTPStrategy(ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return not self._states_loaded
 
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    @property
-    def plan(self) -> dict[str, Any]:
-        """Everything the plugin decided, as plain data (also written to ``sgdtp_plan.json`` next to the logs)."""
-        return plan_dict(
-            self._config, self._dims, self._engine, self._report.graph_breaks, world_size=self.world_size,
-            dp_size=self.dp_size, num_nodes=self.num_nodes, process_group_backend=self._process_group_backend,
-            planner=self._planner,
-        )  # fmt: skip
-
     def _global_step(self) -> int:
         trainer = getattr(self.lightning_module, "_trainer", None)
         return trainer.global_step if trainer is not None else -1
@@ -263,8 +209,7 @@ class SGDTPStrategy(ParallelStrategy):
         supported = plugin in (Precision, MixedPrecision, HalfPrecision)
         check_trainer_plugins(None if supported else plugin.__name__, self._layer_sync is not None)
         assert self.cluster_environment is not None
-        if not self._config.planned:  # sizes that cannot work fail here, before any process starts (auto: at setup)
-            ParallelDims.resolve(self._config, self.num_nodes * self.num_processes, self.num_processes, self.num_nodes)
+        self._check_sizes()
         # Always, as DDPStrategy: with processes started by SLURM or torchrun the launcher starts nothing, but it
         # checks devices / num_nodes against the launcher's tasks before anything else happens.
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -498,14 +443,6 @@ class SGDTPStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         to_device(self.model, self.root_device)  # a module on its mesh (fit, then validate) stays on its devices
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        comm.barrier(self._guard, args[0] if args else "", self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return comm.broadcast_object(self._guard, obj, src)
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:

@@ -91,11 +91,12 @@ def check_not_compiled(module: nn.Module, who: str = "trainer.fit()") -> None:
     from lightning_sgdtp.config import SGDTPConfigError
 
     compiled_in_place = getattr(module, "_compiled_call_impl", None) is not None
+    what = "LightningModule" if who == "trainer.fit()" else type(getattr(module, "_orig_mod", module)).__name__
     if getattr(module, "_compiler_ctx", None) is not None or isinstance(module, OptimizedModule) or compiled_in_place:
         raise SGDTPConfigError(
-            f"{who} got a torch.compile()d {type(getattr(module, '_orig_mod', module)).__name__}. The sgdtp strategy compiles the training step"
-            " itself (with its own backend, which puts gradient communication in the graph): pass the plain"
-            " module, i.e. drop the torch.compile(...) call."
+            f"{who} got a torch.compile()d {what}. The sgdtp strategy compiles the training step itself (with its"
+            " own backend, which puts gradient communication in the graph): pass the plain"
+            f" {'LightningModule' if who == 'trainer.fit()' else 'module'}, i.e. drop the torch.compile(...) call."
         )
     compiled = [name for name, m in module.named_modules() if isinstance(m, OptimizedModule)]
     if compiled:

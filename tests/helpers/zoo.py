@@ -175,6 +175,73 @@ class TokenStack(nn.Module):
         return self.head(self.norm(h))
 
 
+class LitGPTShape(nn.Module):
+    """LitGPT's ``GPT`` (litgpt 0.5.13, ``litgpt/model.py``) in its Llama configuration, written here with its module
+    names: ``transformer.wte`` / ``transformer.h[i]`` (``norm_1``, ``attn.qkv`` one fused projection with grouped
+    queries, ``attn.proj``, ``norm_2``, ``mlp.fc_1`` / ``fc_2`` / ``proj`` SwiGLU) / ``transformer.ln_f``, ``lm_head``,
+    RMSNorm, and the rotary ``cos`` / ``sin`` tables as non-persistent buffers, called as ``model(idx)``. The package
+    itself is not a test dependency: litgpt 0.5.13 requires huggingface-hub<1.4 and jsonargparse<=4.41, which
+    transformers 5 and our pins contradict (``pip install --no-deps litgpt psutil`` imports and runs, docs/fabric.md)."""
+
+    def __init__(self, layers: int = 2, heads: int = 4, query_groups: int = 2) -> None:
+        super().__init__()
+        self.heads, self.groups, self.head_size = heads, query_groups, WIDTH // heads
+        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(VOCAB, WIDTH),
+                "h": nn.ModuleList(self._block() for _ in range(layers)),
+                "ln_f": nn.RMSNorm(WIDTH, eps=1e-5),
+            }
+        )
+        half = self.head_size // 2
+        angles = torch.outer(torch.arange(4 * SEQ).float(), 1.0 / 10000 ** (torch.arange(half).float() / half))
+        self.register_buffer("cos", angles.cos().repeat(1, 2), persistent=False)
+        self.register_buffer("sin", angles.sin().repeat(1, 2), persistent=False)
+
+    def _block(self) -> nn.Module:
+        qkv_out = (self.heads + 2 * self.groups) * self.head_size
+        attn = nn.ModuleDict(
+            {"qkv": nn.Linear(WIDTH, qkv_out, bias=False), "proj": nn.Linear(WIDTH, WIDTH, bias=False)}
+        )
+        mlp = nn.ModuleDict(
+            {
+                n: nn.Linear(*shape, bias=False)
+                for n, shape in (
+                    ("fc_1", (WIDTH, 2 * WIDTH)),
+                    ("fc_2", (WIDTH, 2 * WIDTH)),
+                    ("proj", (2 * WIDTH, WIDTH)),
+                )
+            }
+        )
+        return nn.ModuleDict(
+            {"norm_1": nn.RMSNorm(WIDTH, eps=1e-5), "attn": attn, "norm_2": nn.RMSNorm(WIDTH, eps=1e-5), "mlp": mlp}
+        )
+
+    def _rope(self, x: torch.Tensor, t: int) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * self.cos[:t] + rotated * self.sin[:t]
+
+    def _attention(self, attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q_per_kv, hs = self.heads // self.groups, self.head_size
+        qkv = attn["qkv"](x).view(b, t, self.groups, q_per_kv + 2, hs).permute(0, 2, 3, 1, 4)
+        q, k, v = qkv.split((q_per_kv, 1, 1), dim=2)  # per query group: its queries, one key, one value
+        q = q.reshape(b, -1, t, hs)
+        k, v = (z.expand(b, self.groups, q_per_kv, t, hs).reshape(b, -1, t, hs) for z in (k, v))
+        y = F.scaled_dot_product_attention(self._rope(q, t), self._rope(k, t), v, is_causal=True)
+        return attn["proj"](y.transpose(1, 2).reshape(b, t, -1))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.transformer["wte"](idx)
+        for block in self.transformer["h"]:
+            x = x + self._attention(block["attn"], block["norm_1"](x))
+            mlp, h = block["mlp"], block["norm_2"](x)
+            x = x + mlp["proj"](F.silu(mlp["fc_1"](h)) * mlp["fc_2"](h))
+        return self.lm_head(self.transformer["ln_f"](x))
+
+
 @dataclass(frozen=True)
 class ZooEntry:
     """``build`` makes the inner model; ``data`` is ``"tokens"``, ``"mlm"``, ``"seq2seq"`` or ``"images"``;
@@ -244,6 +311,9 @@ ZOO: dict[str, ZooEntry] = {
     "resnet": ZooEntry(_resnet, "images", "transformers ResNetForImageClassification (BatchNorm)", batch_norm=True),
     "vit": ZooEntry(_vit, "images", "transformers ViTForImageClassification"),
     "mha": ZooEntry(lambda layers: TokenStack(MHABlock, layers), "tokens", "nn.MultiheadAttention blocks"),
+    "litgpt": ZooEntry(
+        LitGPTShape, "tokens", "LitGPT's GPT shape (Llama config: fused GQA qkv, SwiGLU, RMSNorm, rope)"
+    ),
     "moe": ZooEntry(lambda layers: TokenStack(MoEBlock, layers), "tokens", "top-2 mixture of experts"),
     "branch": ZooEntry(
         lambda layers: TokenStack(MHABlock, layers, gated=True), "tokens", "a Python branch on a config flag"
