@@ -58,7 +58,6 @@ from lightning_sgdtp.faults import FaultGuard
 from lightning_sgdtp.front_end import FrontEnd
 from lightning_sgdtp.layout import ParallelDims
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
-from lightning_sgdtp.parallel.clipping import clip_grad_norm_
 from lightning_sgdtp.planner.auto import given_options
 from lightning_sgdtp.report import PlanReport
 from lightning_sgdtp.shutdown import ShutdownWatchdog
@@ -111,6 +110,7 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
         #: id(parameter before setup) -> (a weak reference to it, its name): optimizers made before the split.
         self._names_before: dict[int, tuple[weakref.ref, str]] = {}
         self._said_eager = False
+        self._clip: Any = None  # the engine's clipping by the norm over every shard (None: torch's, replicas alone)
 
     # ----------------------------------------------------------------------------------------- properties
     @property
@@ -214,7 +214,7 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
             f" {type(module).__name__}'s call compiled (forward and its hooks), fabric.backward runs its compiled"
             " backward"
         )
-        engine.setup(True, 1, step=FABRIC_STEP)
+        self._clip = engine.setup(True, 1, step=FABRIC_STEP)  # by the norm over every shard: None for replicas alone
         return _SGDTPModule(module, self)
 
     def _check_module(self, module: nn.Module) -> None:
@@ -225,14 +225,7 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
                 f"fabric.setup() got {again}, but the sgdtp strategy runs one model per Fabric (one compiled step and"
                 " gradient sync): set up each model once, and put models trained together into one nn.Module."
             )
-        pending = _pending_fabric_compile()
-        check_not_compiled(module, "fabric.setup()")
-        if pending:
-            raise SGDTPConfigError(
-                f"fabric.setup() got a torch.compile()d {type(module).__name__}. The sgdtp strategy compiles the"
-                " model's call itself (with its own backend, which puts gradient communication in the graph): pass"
-                " the plain module, i.e. drop the torch.compile(...) call."
-            )
+        check_not_compiled(module, "fabric.setup()", stripped=_pending_fabric_compile())
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
         from torch.nn.parallel import DistributedDataParallel
 
@@ -350,11 +343,11 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """By the norm of the whole model: over every shard and tensor-parallel part (torch's rule otherwise)."""
-        if self._dims is None or not self._dims.on_mesh:
+        if self._clip is None:
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
         self.precision.unscale_gradients(optimizer)
         params = list(self.precision.main_params(optimizer))
-        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+        return self._clip(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
 
     # -------------------------------------------------------------------------------------- collectives
     @override

@@ -62,7 +62,8 @@ def broadcast_buffers(modules: list[nn.Module], group: Any) -> None:
         _sync_params_and_buffers(group, local, BROADCAST_BUCKET_BYTES, 0)  # src: the group's rank 0
 
 
-#: ``clip(parameters, max_norm)``: clipping by the norm over every shard or stage (the precision plugin calls it).
+#: ``clip(parameters, max_norm)``: clipping by the norm over every shard or stage (the precision plugin calls it;
+#: the compiled engine's, ``parallel.clipping.clip_grad_norm_``, also takes ``norm_type`` and ``error_if_nonfinite``).
 Clip = Callable[[list[Tensor], float], Any]
 
 

@@ -87,7 +87,7 @@ class CompiledStep(StepEngine):
             replicated = self.shard_plan is not None and bool(self.shard_plan.replicated)
             measured = self.compiler is not None and self.compiler.cost is not None
             say(sync_line(self.config, self.dims, plan, accumulate, replicated, measured))
-        return (lambda params, max_norm: clip_grad_norm_(params, max_norm)) if plan.clip == "mesh" else None
+        return clip_grad_norm_ if plan.clip == "mesh" else None
 
     def _backends(self, plan: PartPlan, accumulate: int) -> list[SGDTPCompiler]:
         """The ``"sgdtp"`` backends for the module as parallelized (its parameters' names and DTensors): the one

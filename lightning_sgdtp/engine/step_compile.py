@@ -83,16 +83,18 @@ def compile_step(fn: Callable[..., Any], backend: Any) -> Callable[..., Any]:
     return torch.compile(fn, backend=backend)
 
 
-def check_not_compiled(module: nn.Module, who: str = "trainer.fit()") -> None:
+def check_not_compiled(module: nn.Module, who: str = "trainer.fit()", stripped: bool = False) -> None:
     """Refuse a module the user compiled already (``torch.compile(model)`` or ``model.compile()``): the strategy
-    compiles the step itself, with its own backend. ``who``: the call that got it, named in the error."""
+    compiles the step itself, with its own backend. ``who``: the call that got it, named in the error; ``stripped``:
+    the caller removed a ``torch.compile`` wrapper before the strategy saw the module (Fabric does)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     from lightning_sgdtp.config import SGDTPConfigError
 
     compiled_in_place = getattr(module, "_compiled_call_impl", None) is not None
     what = "LightningModule" if who == "trainer.fit()" else type(getattr(module, "_orig_mod", module)).__name__
-    if getattr(module, "_compiler_ctx", None) is not None or isinstance(module, OptimizedModule) or compiled_in_place:
+    wrapped = stripped or isinstance(module, OptimizedModule) or getattr(module, "_compiler_ctx", None) is not None
+    if wrapped or compiled_in_place:
         raise SGDTPConfigError(
             f"{who} got a torch.compile()d {what}. The sgdtp strategy compiles the training step itself (with its"
             " own backend, which puts gradient communication in the graph): pass the plain"
