@@ -1,6 +1,7 @@
 """Data-parallel step time: Lightning's ``ddp`` (eager), ``ddp`` + ``torch.compile`` and ``sgdtp``, interleaved.
 
-    python benchmarks/dp_throughput.py                        # default: user,mlp,gpt; 3 rounds (~25 min, 2 cores)
+    python benchmarks/dp_throughput.py                        # default: user,mlp,gpt,fabric; 3 rounds (~35 min)
+    python benchmarks/dp_throughput.py --workloads fabric     # Fabric(strategy="sgdtp") vs Fabric("ddp")
     python benchmarks/dp_throughput.py --quick                # smoke (1 round, few steps)
     python benchmarks/dp_throughput.py --workloads user --rounds 5 --steps 40
     python benchmarks/dp_throughput.py --workloads mlp --sweep-buckets   # + bucket_cap_mb 4/25/100, overlap, bf16
@@ -8,7 +9,10 @@
 
 Workloads: ``user`` (the module users write: ``self.log`` of the loss every step, a torchmetrics accuracy, AdamW;
 also run with ``ddp`` + a compiled or fused optimizer, and sgdtp with its update as configured), ``mlp`` (the
-same network, SGD, no logging) and ``gpt`` (the example GPT).
+same network, SGD, no logging), ``gpt`` (the example GPT) and ``fabric`` (the ``user`` workload as a Fabric loop:
+``fabric.setup``, ``fabric.backward``, ``fabric.log_dict`` of the loss and a torchmetrics accuracy every step, AdamW;
+``x ddp`` is then against ``Fabric(strategy="ddp")``, DDP's floor every step inside ``fabric.no_backward_sync``, and
+each of its two fits runs in its own processes, one Fabric each; ``--profile`` does not cover it).
 
 Every run is what a user gets: ``Trainer(accelerator="cpu", devices=2, strategy=...)``, 2 gloo ranks, one
 thread each (``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``). Each (workload, variant) of each round
@@ -82,7 +86,7 @@ SWEEP_VARIANTS = [
 # With sync off, bucket size, overlap and wire dtype change nothing that is computed: the sweep variants share
 # sgdtp's floor (measured in the same round).
 FLOOR_OF = {v: "sgdtp" for v in SWEEP_VARIANTS}
-WORKLOADS = ("user", "mlp", "gpt")
+WORKLOADS = ("user", "mlp", "gpt", "fabric")
 QUIET = 0.10  # other processes using more than this fraction of the CPUs: the machine is busy
 TARGET = {"workload": "user", "ratio_to_ddp": 0.85, "stretch_ratio_to_ddp": 0.65, "exposed_comm_fraction": 0.25}
 
@@ -97,7 +101,6 @@ def _worker(
     import torch.distributed as dist
     import torch.nn.functional as F
     from lightning.pytorch.callbacks import Callback
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.set_num_threads(1)
@@ -106,15 +109,11 @@ def _worker(
     total = warmup + steps
 
     class MLPModule(L.LightningModule):
-        """512 -> 4x2048 -> 10 with ReLU: 13.7M parameters, ~0.1 GFLOP of compute per MB of gradient."""
+        """``_mlp()``, SGD with momentum, nothing logged."""
 
         def __init__(self) -> None:
             super().__init__()
-            dims = [512, 2048, 2048, 2048, 2048, 10]
-            layers: list[nn.Module] = []
-            for i, (a, b) in enumerate(itertools.pairwise(dims)):
-                layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(dims) - 2 else [])
-            self.net = nn.Sequential(*layers)
+            self.net = _mlp()
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.net(x)
@@ -214,11 +213,7 @@ def _worker(
             self.faults.append(_minor_faults() - self._faults0)
 
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            ddp = trainer.strategy.model
-            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-                info = ddp._get_ddp_logging_data()  # DDP's own record of its (rebuilt) buckets, in bytes
-                sizes = info.get("rebuilt_bucket_sizes") or info.get("bucket_sizes") or ""
-                self.ddp_buckets = [int(x) for x in str(sizes).split(",") if x.strip()]
+            self.ddp_buckets = _ddp_bucket_bytes(trainer.strategy.model)
             if self._prof is None or self.profile_to is None:
                 return
             self._prof.__exit__(None, None, None)
@@ -237,35 +232,7 @@ def _worker(
             # What DDP's no_sync() does, for the whole run: the reducer's hooks stay, no bucket is all-reduced.
             strategy.model.require_backward_grad_sync = False
         else:
-            # The compiler's switch for gradient accumulation: graphs compiled without collectives (the first
-            # step compiles after this hook). The ledger (sgdtp's after-backward fallback, and its per-step
-            # agreement all-reduce) made a no-op: the same compiled step, and its graph walk, without communication.
-            import dataclasses
-
-            from lightning_sgdtp.ledger import Agreement, BackwardRecord
-
-            # The compiler's settings are fixed when the engine makes it (before this hook): a benchmark-only
-            # replacement of the frozen value, before the first step compiles.
-            compiler = strategy.engine.compiler
-            compiler.settings = dataclasses.replace(compiler.settings, in_graph_sync=False)
-            ledger = strategy.ledger
-            ledger.start_agreement = lambda *args, **kwargs: Agreement(ledger, None, set(), None, BackwardRecord())
-            ledger.sync = lambda *args, **kwargs: []
-            ledger.uncovered = lambda *args, **kwargs: []
-
-    def comm_alone_ms(buckets: list[tuple[int, torch.dtype]], reps: int = 10) -> float | None:
-        """All-reduce this step's buckets (bytes, dtype) back to back, both ranks otherwise idle."""
-        if not buckets:
-            return None
-        bufs = [torch.ones(nbytes // dtype.itemsize, dtype=dtype) for nbytes, dtype in buckets]
-        times = []
-        for _ in range(reps + 2):
-            dist.barrier()
-            t = time.perf_counter()
-            for work in [dist.all_reduce(b, async_op=True) for b in bufs]:
-                work.wait()
-            times.append(time.perf_counter() - t)
-        return 1e3 * statistics.median(times[2:])
+            _sgdtp_without_sync(strategy)
 
     result: dict[str, Any] = {"workload": workload, "variant": variant, "steps": steps, "warmup": warmup}
     for phase in phases:
@@ -314,16 +281,12 @@ def _worker(
         trainer.fit(model, loader)
         fit_s = time.perf_counter() - t0
         frames = frames_compiled() - frames_before
-        # Proof of what was measured: replicas agree after a synced run and diverge after a floor run.
-        checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-        sums: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(sums, checksum)
         entry: dict[str, Any] = {
             "batch_s": timer.batch[warmup:],
             "period_s": timer.period[warmup:],
             "warmup_s": timer.batch[:warmup],
             "fit_s": fit_s,
-            "replicas_equal": max(sums) - min(sums) <= 1e-9 * max(1.0, abs(max(sums))),
+            "replicas_equal": _replicas_equal(model),
             "frames_compiled": frames,
             "page_faults": timer.faults[warmup:],
             "breakdown": timer.breakdown,
@@ -333,32 +296,192 @@ def _worker(
             dist.all_gather_object(by_rank, timer.breakdown)
             entry["breakdown_by_rank"] = by_rank
         if kind == "sgdtp":
-            plan = strategy.plan
-            entry["plan"] = {
-                "graphs": [
-                    {
-                        "graph_id": g["graph_id"],
-                        "buckets": len(g["buckets"]),
-                        "bucket_bytes": [b["wire_bytes"] for b in g["buckets"]],
-                        "wire_bytes": g["wire_bytes"],
-                    }
-                    for g in plan["graphs"]
-                ],
-                "bytes_per_step": plan["bytes_per_step"],
-                "graph_breaks": plan["graph_breaks"],
-                "config": {k: plan["config"][k] for k in ("bucket_cap_mb", "overlap", "grad_comm_dtype")},
-            }
-            buckets = [(b["wire_bytes"], getattr(torch, b["wire_dtype"])) for g in plan["graphs"] for b in g["buckets"]]
+            entry["plan"], buckets = _plan_entry(strategy.plan)
         else:
             entry["ddp_bucket_bytes"] = timer.ddp_buckets
             buckets = [(n, torch.float32) for n in timer.ddp_buckets]
         if sync:
-            entry["comm_alone_ms"] = comm_alone_ms(buckets)
+            entry["comm_alone_ms"] = _comm_alone_ms(buckets)
         result[phase] = entry
     if dist.get_rank() == 0:
         out.write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _sgdtp_without_sync(strategy: Any) -> None:
+    """sgdtp's floor: the compiler's switch for gradient accumulation (graphs compiled without collectives; call
+    before the first step compiles) and the ledger (sgdtp's after-backward fallback, and its per-step agreement
+    all-reduce) made a no-op: the same compiled step, and its graph walk, without communication."""
+    import dataclasses
+
+    from lightning_sgdtp.ledger import Agreement, BackwardRecord
+
+    # The compiler's settings are fixed when the engine makes it: a benchmark-only replacement of the frozen value.
+    compiler = strategy.engine.compiler
+    compiler.settings = dataclasses.replace(compiler.settings, in_graph_sync=False)
+    ledger = strategy.grad_sync.ledger
+    ledger.start_agreement = lambda *args, **kwargs: Agreement(ledger, None, set(), None, BackwardRecord())
+    ledger.sync = lambda *args, **kwargs: []
+    ledger.uncovered = lambda *args, **kwargs: []
+
+
+def _fabric_worker(variant: str, out: Path, steps: int, warmup: int, phases: list[str]) -> None:
+    """The ``fabric`` workload: the ``user`` workload as a Fabric loop (``fabric.setup``, ``fabric.backward``,
+    ``fabric.log_dict`` of the loss and a torchmetrics accuracy every step, AdamW) under ``Fabric(strategy="ddp")``
+    or ``Fabric(strategy="sgdtp")``. The floor, the same compute without gradient communication: DDP's every step
+    inside ``fabric.no_backward_sync(model)`` (its ``no_sync``), sgdtp's as in the Trainer workloads."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+    from torch.utils.data import DataLoader, TensorDataset
+    from torchmetrics.classification import MulticlassAccuracy
+
+    torch.set_num_threads(1)
+    kind, compiled, sgdtp_kwargs = VARIANTS[variant]
+    batch, total = 32, warmup + steps
+    if kind == "sgdtp":
+        from lightning_sgdtp import SGDTPFabricStrategy
+
+        strategy: Any = SGDTPFabricStrategy(**sgdtp_kwargs)
+    else:
+        strategy = "ddp"
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()  # re-runs this command line for rank 1
+    result: dict[str, Any] = {"workload": "fabric", "variant": variant, "steps": steps, "warmup": warmup}
+    for phase in phases:
+        sync = phase == "sync"
+        fabric.seed_everything(1234, verbose=False)
+        g = torch.Generator().manual_seed(1234)
+        n = 2 * batch * total
+        data = TensorDataset(torch.randn(n, 512, generator=g), torch.randint(0, 10, (n,), generator=g))
+        net = _mlp()
+        result.setdefault("params", sum(p.numel() for p in net.parameters()))
+        if compiled:
+            net = torch.compile(net)  # Fabric moves the compile outside its DDP wrapper
+        model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+        if not sync and kind == "sgdtp":
+            _sgdtp_without_sync(fabric.strategy)
+        loader = fabric.setup_dataloaders(DataLoader(data, batch_size=batch, shuffle=False, drop_last=True))
+        acc = MulticlassAccuracy(num_classes=10).to(fabric.device)
+        times: list[float] = []
+        periods: list[float] = []
+        faults: list[int] = []
+        frames_before = frames_compiled()
+        t_fit = t_prev = time.perf_counter()
+        for i, (x, y) in enumerate(loader):
+            if i == total:
+                break
+            t0 = time.perf_counter()
+            if i:
+                periods.append(t0 - t_prev)
+            t_prev, faults0 = t0, _minor_faults()
+            with fabric.no_backward_sync(model, enabled=not sync and kind == "ddp"):  # DDP's no_sync
+                logits = model(x)
+                loss = F.cross_entropy(logits, y)
+                fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            fabric.log_dict({"loss": loss, "acc": acc(logits, y)})
+            times.append(time.perf_counter() - t0)
+            faults.append(_minor_faults() - faults0)
+        entry: dict[str, Any] = {
+            "batch_s": times[warmup:],
+            "period_s": periods[warmup - 1 :] if warmup else periods,
+            "warmup_s": times[:warmup],
+            "fit_s": time.perf_counter() - t_fit,
+            "replicas_equal": _replicas_equal(net),
+            "frames_compiled": frames_compiled() - frames_before,
+            "page_faults": faults[warmup:],
+            "breakdown": [],
+        }
+        if kind == "sgdtp":
+            entry["plan"], buckets = _plan_entry(fabric.strategy.plan)
+        else:
+            entry["ddp_bucket_bytes"] = _ddp_bucket_bytes(model._forward_module)
+            buckets = [(b, torch.float32) for b in entry["ddp_bucket_bytes"]]
+        if sync:
+            entry["comm_alone_ms"] = _comm_alone_ms(buckets)
+        result[phase] = entry
+    if fabric.global_rank == 0:
+        out.write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _ddp_bucket_bytes(ddp: Any) -> list[int]:
+    """DDP's own record of its (rebuilt) buckets, in bytes."""
+    import torch
+
+    while not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and hasattr(ddp, "_orig_mod"):
+        ddp = ddp._orig_mod
+    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        return []
+    info = ddp._get_ddp_logging_data()
+    sizes = info.get("rebuilt_bucket_sizes") or info.get("bucket_sizes") or ""
+    return [int(x) for x in str(sizes).split(",") if x.strip()]
+
+
+def _mlp() -> Any:
+    """512 -> 4x2048 -> 10 with ReLU: 13.7M parameters, ~0.1 GFLOP of compute per MB of gradient."""
+    from torch import nn
+
+    dims = [512, 2048, 2048, 2048, 2048, 10]
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
+        layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(dims) - 2 else [])
+    return nn.Sequential(*layers)
+
+
+def _replicas_equal(model: Any) -> bool:
+    """Proof of what was measured: replicas agree after a synced run and diverge after a floor run."""
+    import torch.distributed as dist
+
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    sums: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(sums, checksum)
+    return max(sums) - min(sums) <= 1e-9 * max(1.0, abs(max(sums)))
+
+
+def _plan_entry(plan: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[int, Any]]]:
+    """What a result keeps of sgdtp's plan, and its buckets as (wire bytes, dtype)."""
+    import torch
+
+    entry = {
+        "graphs": [
+            {
+                "graph_id": g["graph_id"],
+                "buckets": len(g["buckets"]),
+                "bucket_bytes": [b["wire_bytes"] for b in g["buckets"]],
+                "wire_bytes": g["wire_bytes"],
+            }
+            for g in plan["graphs"]
+        ],
+        "bytes_per_step": plan["bytes_per_step"],
+        "graph_breaks": plan["graph_breaks"],
+        "config": {k: plan["config"][k] for k in ("bucket_cap_mb", "overlap", "grad_comm_dtype")},
+    }
+    buckets = [(b["wire_bytes"], getattr(torch, b["wire_dtype"])) for g in plan["graphs"] for b in g["buckets"]]
+    return entry, buckets
+
+
+def _comm_alone_ms(buckets: list[tuple[int, Any]], reps: int = 10) -> float | None:
+    """All-reduce this step's buckets (bytes, dtype) back to back, both ranks otherwise idle."""
+    import torch
+    import torch.distributed as dist
+
+    if not buckets:
+        return None
+    bufs = [torch.ones(nbytes // dtype.itemsize, dtype=dtype) for nbytes, dtype in buckets]
+    times = []
+    for _ in range(reps + 2):
+        dist.barrier()
+        t = time.perf_counter()
+        for work in [dist.all_reduce(b, async_op=True) for b in bufs]:
+            work.wait()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times[2:])
 
 
 def _minor_faults() -> int:
@@ -381,6 +504,14 @@ def _run_worker(
     profile_to: Path | None = None,
     wait_quiet: float = 0.0,
 ) -> dict[str, Any]:
+    if workload == "fabric" and len(phases) > 1:
+        # One Fabric per process (sgdtp sets up one model per Fabric, and a second Fabric in the same ranks is not
+        # something users do): each phase in its own pair of processes, in the order given.
+        parts = [
+            _run_worker(workload, variant, [ph], steps, warmup, tmp, f"{tag}-{ph}", timeout, profile_to, wait_quiet)
+            for ph in phases
+        ]
+        return {**parts[1], **parts[0], "load_before": max(part["load_before"] for part in parts)}
     out = tmp / f"{tag}.json"
     log = tmp / f"{tag}.log"
     env = worker_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -416,7 +547,8 @@ def main_driver(args: argparse.Namespace) -> int:
     def steps_for(w: str) -> int:  # timed steps per run; GPT steps are ~10x longer than MLP steps
         if args.steps:
             return args.steps
-        return {"mlp": 12, "user": 12, "gpt": 4}[w] if args.quick else {"mlp": 40, "user": 40, "gpt": 10}[w]
+        quick, full = {"mlp": 12, "user": 12, "gpt": 4, "fabric": 12}, {"mlp": 40, "user": 40, "gpt": 10, "fabric": 40}
+        return (quick if args.quick else full)[w]
 
     plan_list: list[tuple[str, str, bool]] = []  # (workload, variant, with floor)
     for w in workloads:
@@ -620,7 +752,7 @@ def main_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", default="user,mlp,gpt", help="comma-separated subset of: user,mlp,gpt")
+    p.add_argument("--workloads", default="user,mlp,gpt,fabric", help="comma-separated subset of: user,mlp,gpt,fabric")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; --quick: 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default user/mlp 40, gpt 10)")
     p.add_argument("--warmup", type=int, default=None, help="untimed first steps per run, compile included (5)")
@@ -655,6 +787,9 @@ if __name__ == "__main__":
     args = parse_args()
     if args.worker:
         workload, variant = args.worker
+        if workload == "fabric":
+            _fabric_worker(variant, args.out, args.steps, args.warmup, args.phases.split(","))
+            sys.exit(0)
         _worker(workload, variant, args.out, args.steps, args.warmup, args.phases.split(","), args.profile)
         sys.exit(0)
     sys.exit(main_driver(args))

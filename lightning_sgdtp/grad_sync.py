@@ -100,6 +100,9 @@ class GradSync:
         #: Micro-batches accumulated since the last optimizer step; their sum in flight at the last micro-batch.
         self._accumulated = False
         self._accumulated_sync: AccumulatedSync | None = None
+        #: Since the last optimizer step: a micro-batch ran without sync / one ran with it (to name the mistake of
+        #: stepping after accumulation alone).
+        self._unsynced_micro_batch = self._synced_micro_batch = False
         self._pending: Agreement | None = None
         self._fingerprint: tuple | None = None
         #: How many backwards waited for the agreement before running (record changed), the rest after.
@@ -122,7 +125,7 @@ class GradSync:
     @contextlib.contextmanager
     def no_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: no communication on the micro-batches run inside this context."""
-        self._accumulating = self._accumulated = True
+        self._accumulating = self._accumulated = self._unsynced_micro_batch = True
         try:
             yield
         finally:
@@ -147,6 +150,7 @@ class GradSync:
         """Classify the gradients this backward will produce, and agree on them with every rank."""
         if self._accumulating or not self.enabled:
             return
+        self._synced_micro_batch = True
         record = walk_autograd_graph(loss, self.compiler.graph_param_ids, self.sharded_ids)
         stop = self.preemption is not None and self.preemption.requested
         self._pending = self.ledger.start_agreement(record, stop=stop)
@@ -211,6 +215,15 @@ class GradSync:
         self.ledger.end_step()
         stepped = [p for group in optimizer.param_groups for p in group["params"]]
         missing = self.ledger.uncovered(stepped)
+        only_unsynced = self._unsynced_micro_batch and not self._synced_micro_batch
+        self._unsynced_micro_batch = self._synced_micro_batch = False
+        if missing and self.enabled and only_unsynced:
+            raise RuntimeError(
+                f"sgdtp: the optimizer stepped on gradients that were never averaged across ranks ({missing[:5]}):"
+                " every backward since the last step ran without gradient sync (fabric.no_backward_sync(model) or"
+                " a no_sync() block). Run the last micro-batch of each step with sync on, e.g."
+                " `with fabric.no_backward_sync(model, enabled=not is_last_micro_batch):`."
+            )
         if missing and self.enabled:
             raise RuntimeError(
                 f"sgdtp: the gradients of {missing[:5]} were not averaged across ranks this step. They came"

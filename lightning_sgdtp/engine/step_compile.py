@@ -79,7 +79,18 @@ def bookkeeping_eagerly(module: nn.Module) -> Generator[None, None, None]:
 
 def compile_step(fn: Callable[..., Any], backend: Any) -> Callable[..., Any]:
     """The step as the strategy compiles it: the whole callable (``training_step``, a stage's forward) through
-    ``backend`` (an :class:`~lightning_sgdtp.compiler.backend.SGDTPCompiler`, or a name or callable in diagnose)."""
+    ``backend`` (an :class:`~lightning_sgdtp.compiler.backend.SGDTPCompiler`, or a name or callable in diagnose).
+
+    Dynamo never starts a frame in torch's own files: a module's call (Fabric's ``_call_impl``) whose ``forward``
+    is torch's too (``nn.Sequential``, ``nn.TransformerEncoder``) would run wholly eager. Such a call gets torch's
+    own extra frame (``wrap_inline``, what ``torch.compile(module)`` does for these), traced whole, hooks
+    included; a module with its own forward keeps its frame (its hooks eager, its forward compiled)."""
+    from torch._dynamo import external_utils, trace_rules
+
+    owner = getattr(fn, "__self__", None)
+    top = owner.forward if isinstance(owner, nn.Module) and fn.__name__ == "_call_impl" else fn
+    if trace_rules.check(top):
+        fn = external_utils.wrap_inline(fn)
     return torch.compile(fn, backend=backend)
 
 

@@ -128,6 +128,19 @@ def test_a_gradient_the_sync_never_saw_fails_the_step(one_rank: None) -> None:
         sync.at_optimizer_step(torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def test_stepping_after_unsynced_micro_batches_alone_names_the_fix(one_rank: None) -> None:
+    """An optimizer step whose every micro-batch ran in no_sync (Fabric's no_backward_sync) is named as such."""
+    model = nn.Linear(3, 2)
+    sync = _sync(model, [])
+    with sync.no_sync():
+        loss = model(torch.ones(4, 3)).sum()
+        sync.before_backward(loss)
+        loss.backward()
+        sync.after_backward()
+    with pytest.raises(RuntimeError, match="every backward since the last step ran without gradient sync"):
+        sync.at_optimizer_step(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def test_negative_control_switch_turns_every_average_off(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DEBUG_OPTIONS_ENV, "1")
     model, lines = nn.Linear(3, 2), []
