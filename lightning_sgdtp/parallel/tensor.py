@@ -48,6 +48,10 @@ OUT_NAMES = {
     "proj", "o_proj", "out_proj", "wo", "c_proj", "o", "dense", "to_out", "fc2", "down_proj", "w2", "down",
     "dense_4h_to_h", "lin2", "linear2", "w_out", "fc_out",
 }  # fmt: skip
+#: Names that read the block's input in one model and write its output in another: LitGPT's SwiGLU MLP is ``fc_1``,
+#: ``fc_2`` (gate and up) -> ``proj``; elsewhere ``fc_1`` -> ``fc_2``. Beside a layer named as the output (``proj``)
+#: such a layer is an input; otherwise the last of them is the output, if the shapes pair.
+EITHER_NAMES = ("fc_1", "fc_2", "linear_1", "linear_2", "dense_1", "dense_2")
 TOKEN_EMBEDDING_NAMES = ("tok", "wte", "word", "embed_tokens", "token")
 HEAD_NAMES = {"lm_head", "head", "output", "out", "logits", "classifier"}
 HEAD_COUNT_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nhead", "heads")
@@ -174,6 +178,11 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
         shapes = {n: s for n, m in parent.named_children() if (s := linear_shape(m)) is not None}
         ins = [n for n in shapes if n.lower() in IN_NAMES]
         outs = [n for n in shapes if n.lower() in OUT_NAMES]
+        either = [n for n in shapes if n.lower() in EITHER_NAMES]
+        if either and len(outs) == 1:
+            ins += either
+        elif len(either) > 1 and not outs:
+            ins, outs = ins + either[:-1], [either[-1]]
         if not ins and not outs and isinstance(parent, nn.Sequential):
             ins, outs = _sequential_pair(parent, shapes)
         if not ins or len(outs) != 1:

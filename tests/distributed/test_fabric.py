@@ -40,6 +40,10 @@ CELLS: dict[str, dict[str, Any]] = {
         "sgdtp": {"parallelism": "hybrid", "tensor_parallel_size": 2, "sharding": "full"},
         "clip": 0.5,
     },
+    # 4 ranks: sharded within groups of 2, replicated across them (shard_size)
+    "sharded_groups": {"sgdtp": {"sharding": "full", "shard_size": 2}, "accumulate": 2},
+    # the planner picks the layout at setup (pipeline stages excluded under Fabric)
+    "auto": {"sgdtp": {"parallelism": "auto"}},
     # bf16-mixed: autocast around the compiled call
     "data_bf16": {"sgdtp": {}, "precision": "bf16-mixed"},
 }
@@ -64,13 +68,15 @@ SCENARIOS = {
         "model": "gpt2", "layers": 1, "devices": 2, "steps": 3,
         "cells": [FLOOR, *_cells("data_accumulate_clip", "sharded_optimizer_accumulate", "tensor_clip"), NEGATIVE],
     },
-    "llama_hybrid": {"model": "llama", "layers": 1, "devices": 4, "steps": 3, "cells": _cells("hybrid_sharded_clip")},
+    "llama_hybrid": {
+        "model": "llama", "layers": 1, "devices": 4, "steps": 3, "cells": _cells("hybrid_sharded_clip", "sharded_groups"),
+    },
     "moe_bf16": {"model": "moe", "layers": 1, "devices": 2, "steps": 3, "cells": _cells("data_bf16", "sharded_full")},
-    # LitGPT's GPT shape (tests/helpers/zoo.py: litgpt itself conflicts with our pins), the loop LitGPT's scripts run.
-    # Not tensor parallel: the automatic plan leaves LitGPT's fc_1 / fc_2 / proj whole (docs/fabric.md)
+    # LitGPT's GPT shape (tests/helpers/zoo.py: litgpt itself conflicts with our pins), the loop LitGPT's scripts run:
+    # tensor parallel on its names (fused grouped-query qkv, fc_1 / fc_2 -> proj), and the layout the planner picks
     "litgpt": {
         "model": "litgpt", "layers": 2, "devices": 2, "steps": 3,
-        "cells": [FLOOR, *_cells("data_accumulate_clip", "sharded_full")],
+        "cells": [FLOOR, *_cells("data_accumulate_clip", "sharded_full", "tensor_clip", "auto")],
     },
     "resume": {"model": "llama", "layers": 1, "devices": 2, "steps": 1, "cells": [], "checks": ["resume"]},
 }  # fmt: skip
@@ -117,7 +123,12 @@ def test_fabric_matches_ddp(name: str, tmp_path_factory: pytest.TempPathFactory)
             err = ((g - grads[param]).norm() / g.norm().clamp_min(1e-12)).item()
             assert err < tol, f"{name}/{cell_name}: first-step gradient of {param} differs by {err:.2e}"
         totals = [h["total"] for h in run["info"]["cells"][cell_name]["held"]]
-        if options.get("sharding") or options.get("parallelism") in ("tensor", "hybrid"):
+        divided = options.get("sharding") or options.get("parallelism") in ("tensor", "hybrid")
+        if options.get("parallelism") == "auto":  # what the planner chose, and the bytes held agree with it
+            plan = run["info"]["cells"][cell_name]["plan"]
+            assert plan.get("planner") and plan["pipeline"] is None, plan.get("planner")
+            divided = plan["tp_size"] > 1 or bool(plan["sharding"])
+        if divided:
             # divided: each rank holds well under the whole model's parameters + gradients + AdamW state
             assert max(totals) < 0.75 * replicated, (cell_name, totals, replicated)
         else:

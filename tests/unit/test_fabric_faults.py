@@ -23,3 +23,34 @@ def test_an_uncaught_error_is_reported_to_the_peers_then_printed(monkeypatch: py
     error = RuntimeError("boom on this rank")
     sys.excepthook(RuntimeError, error, None)
     assert reported == [error] and printed == [error]
+
+
+def test_an_accelerator_the_backend_does_not_run_on_is_refused_when_fabric_is_made() -> None:
+    """``Fabric(accelerator=<not cpu or cuda>, strategy="sgdtp")``: refused by Fabric's constructor, before any step,
+    naming the accelerator and the fix."""
+    import torch
+    from lightning.fabric import Fabric
+    from lightning.fabric.accelerators import Accelerator
+
+    from lightning_sgdtp.config import SGDTPConfigError
+
+    class OtherAccelerator(Accelerator):  # what a third-party plugin brings (XLA, MPS, HPU have their own)
+        def setup_device(self, device: torch.device) -> None: ...
+        def teardown(self) -> None: ...
+        @staticmethod
+        def parse_devices(devices: object) -> int:
+            return 1
+        @staticmethod
+        def get_parallel_devices(devices: object) -> list[torch.device]:
+            return [torch.device("cpu")]
+        @staticmethod
+        def auto_device_count() -> int:
+            return 1
+        @staticmethod
+        def is_available() -> bool:
+            return True
+        @classmethod
+        def register_accelerators(cls, registry: object) -> None: ...
+
+    with pytest.raises(SGDTPConfigError, match=r"OtherAccelerator.*not supported by the sgdtp strategy.*'cpu'"):
+        Fabric(accelerator=OtherAccelerator(), devices=1, strategy="sgdtp")

@@ -265,6 +265,8 @@ DIVIDED = {
              "model.layers.0.mlp.down_proj": "rowwise"},
     "neox": {"gpt_neox.layers.0.attention.query_key_value": "colwise",
              "gpt_neox.layers.0.attention.dense": "rowwise"},
+    "litgpt": {"transformer.h.0.attn.qkv": "colwise", "transformer.h.0.mlp.fc_1": "colwise",
+               "transformer.h.0.mlp.fc_2": "colwise", "transformer.h.0.mlp.proj": "rowwise"},
 }  # fmt: skip
 
 
@@ -279,7 +281,20 @@ def test_tensor_parallel_divides_the_model(name: str) -> None:
     assert c["block_replicated_fraction"] < 0.05, (c, plan.replicated)
     assert not any("WARNING" in line for line in plan.describe())
     fused = [n for n in plan.styles if "fused" in plan.notes.get(n, "")]
-    assert bool(fused) == (name in ("gpt2", "phi3", "neox")), plan.notes
+    assert bool(fused) == (name in ("gpt2", "phi3", "neox", "litgpt")), plan.notes
+
+
+class TwoNamedAlike(nn.Module):
+    """``fc_1`` -> ``fc_2`` (the names LitGPT gives gate and up, used elsewhere for in and out)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.fc_1, self.fc_2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+
+def test_names_that_are_inputs_in_one_model_and_outputs_in_another_pair_by_their_partner() -> None:
+    alone = auto_plan(nn.ModuleDict({"mlp": TwoNamedAlike()}), 2).styles
+    assert (alone["mlp.fc_1"], alone["mlp.fc_2"]) == ("colwise", "rowwise"), alone
 
 
 def test_a_norm_over_each_head_is_put_on_the_mesh_and_a_blocks_norms_are_not() -> None:
