@@ -17,6 +17,7 @@ Imports ``lightning.fabric`` only (never ``lightning.pytorch``). Checkpoints are
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import sys
 import weakref
@@ -155,6 +156,7 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
             self._config, self._cluster(), self._process_group_backend, self.root_device, self._guard, self._watchdog
         )
         _report_uncaught(self)  # Fabric has no on_exception: an error that ends this rank ends its peers too
+        atexit.register(_stop_heartbeat_at_exit, weakref.ref(self))  # nor a teardown call
         if not self._config.planned:
             self._lay_out(None)
 
@@ -492,6 +494,15 @@ def _pending_fabric_compile() -> bool:
             return frame.f_locals.get("compile_kwargs") is not None
         frame = frame.f_back
     return False
+
+
+def _stop_heartbeat_at_exit(ref: weakref.ref[SGDTPFabricStrategy]) -> None:
+    """A script that ends without ``fabric.strategy.teardown()``: the heartbeat thread stops, and the peers learn
+    that this rank left on purpose, before the interpreter finalizes (no collective: the peers may be gone)."""
+    strategy = ref()
+    if strategy is not None:
+        with contextlib.suppress(Exception):
+            strategy._guard.close()
 
 
 def _report_uncaught(strategy: SGDTPFabricStrategy) -> None:

@@ -40,17 +40,44 @@ def test_an_accelerator_the_backend_does_not_run_on_is_refused_when_fabric_is_ma
         @staticmethod
         def parse_devices(devices: object) -> int:
             return 1
+
         @staticmethod
         def get_parallel_devices(devices: object) -> list[torch.device]:
             return [torch.device("cpu")]
+
         @staticmethod
         def auto_device_count() -> int:
             return 1
+
         @staticmethod
         def is_available() -> bool:
             return True
+
         @classmethod
         def register_accelerators(cls, registry: object) -> None: ...
+        @staticmethod
+        def name() -> str:
+            return "other"
 
     with pytest.raises(SGDTPConfigError, match=r"OtherAccelerator.*not supported by the sgdtp strategy.*'cpu'"):
         Fabric(accelerator=OtherAccelerator(), devices=1, strategy="sgdtp")
+
+
+def test_the_heartbeat_stops_at_exit_without_a_teardown_call() -> None:
+    """Fabric never calls teardown: at exit the strategy closes its fault guard (heartbeat thread stopped, the rank
+    marked as left on purpose); a strategy already gone is skipped."""
+    import weakref
+
+    closed = []
+
+    class Strategy:
+        _guard = SimpleNamespace(close=lambda: closed.append(True))
+
+    strategy = Strategy()
+    fabric_strategy._stop_heartbeat_at_exit(weakref.ref(strategy))
+    assert closed == [True]
+    gone = Strategy()
+    ref = weakref.ref(gone)
+    del gone
+    fabric_strategy._stop_heartbeat_at_exit(ref)
+    assert closed == [True]
