@@ -8,6 +8,7 @@ eagerly costs one clean graph break each and keeps the graphs static.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -89,7 +90,7 @@ def compile_step(fn: Callable[..., Any], backend: Any) -> Callable[..., Any]:
 
     owner = getattr(fn, "__self__", None)
     top = owner.forward if isinstance(owner, nn.Module) and fn.__name__ == "_call_impl" else fn
-    if trace_rules.check(top):
+    if isinstance(top, (types.FunctionType, types.MethodType)) and trace_rules.check(top):  # not a module itself
         fn = external_utils.wrap_inline(fn)
     return torch.compile(fn, backend=backend)
 
