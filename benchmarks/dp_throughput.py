@@ -297,13 +297,7 @@ def _worker(
             by_rank: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(by_rank, timer.breakdown)
             entry["breakdown_by_rank"] = by_rank
-        if kind == "sgdtp":
-            entry["plan"], buckets = _plan_entry(strategy.plan)
-        else:
-            entry["ddp_bucket_bytes"] = timer.ddp_buckets
-            buckets = [(n, torch.float32) for n in timer.ddp_buckets]
-        if sync:
-            entry["comm_alone_ms"] = _comm_alone_ms(buckets)
+        _record_buckets(entry, sync, strategy.plan if kind == "sgdtp" else None, timer.ddp_buckets)
         result[phase] = entry
     if dist.get_rank() == 0:
         out.write_text(json.dumps(result))
@@ -328,11 +322,12 @@ def _sgdtp_without_sync(strategy: Any) -> None:
     ledger.uncovered = lambda *args, **kwargs: []
 
 
-def _fabric_worker(variant: str, out: Path, steps: int, warmup: int, phases: list[str]) -> None:
+def _fabric_worker(variant: str, out: Path, steps: int, warmup: int, phase: str) -> None:
     """The ``fabric`` workload: the ``user`` workload as a Fabric loop (``fabric.setup``, ``fabric.backward``,
     ``fabric.log_dict`` of the loss and a torchmetrics accuracy every step, AdamW) under ``Fabric(strategy="ddp")``
     or ``Fabric(strategy="sgdtp")``. The floor, the same compute without gradient communication: DDP's every step
-    inside ``fabric.no_backward_sync(model)`` (its ``no_sync``), sgdtp's as in the Trainer workloads."""
+    inside ``fabric.no_backward_sync(model)`` (its ``no_sync``), sgdtp's as in the Trainer workloads. One ``phase``
+    ("sync" or "nosync") per pair of processes: one model per Fabric."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -351,69 +346,76 @@ def _fabric_worker(variant: str, out: Path, steps: int, warmup: int, phases: lis
         strategy = "ddp"
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()  # re-runs this command line for rank 1
-    result: dict[str, Any] = {"workload": "fabric", "variant": variant, "steps": steps, "warmup": warmup}
-    for phase in phases:
-        sync = phase == "sync"
-        fabric.seed_everything(1234, verbose=False)
-        g = torch.Generator().manual_seed(1234)
-        n = 2 * batch * total
-        data = TensorDataset(torch.randn(n, 512, generator=g), torch.randint(0, 10, (n,), generator=g))
-        net = _mlp()
-        result.setdefault("params", sum(p.numel() for p in net.parameters()))
-        if compiled:
-            net = torch.compile(net)  # Fabric moves the compile outside its DDP wrapper
-        model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
-        if DDP_OPTIMIZER.get(variant) == "fused":
-            from lightning_sgdtp.optim import use_fused
+    sync = phase == "sync"
+    fabric.seed_everything(1234, verbose=False)
+    g = torch.Generator().manual_seed(1234)
+    n = 2 * batch * total
+    data = TensorDataset(torch.randn(n, 512, generator=g), torch.randint(0, 10, (n,), generator=g))
+    net = _mlp()
+    params = sum(p.numel() for p in net.parameters())
+    if compiled:
+        net = torch.compile(net)  # Fabric moves the compile outside its DDP wrapper
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    if DDP_OPTIMIZER.get(variant) == "fused":
+        from lightning_sgdtp.optim import use_fused
 
-            use_fused(optimizer.optimizer)
-        if not sync and kind == "sgdtp":
-            _sgdtp_without_sync(fabric.strategy)
-        loader = fabric.setup_dataloaders(DataLoader(data, batch_size=batch, shuffle=False, drop_last=True))
-        acc = MulticlassAccuracy(num_classes=10).to(fabric.device)
-        times: list[float] = []
-        periods: list[float] = []
-        faults: list[int] = []
-        frames_before = frames_compiled()
-        t_fit = t_prev = time.perf_counter()
-        for i, (x, y) in enumerate(loader):
-            if i == total:
-                break
-            t0 = time.perf_counter()
-            if i:
-                periods.append(t0 - t_prev)
-            t_prev, faults0 = t0, _minor_faults()
-            with fabric.no_backward_sync(model, enabled=not sync and kind == "ddp"):  # DDP's no_sync
-                logits = model(x)
-                loss = F.cross_entropy(logits, y)
-                fabric.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            fabric.log_dict({"loss": loss, "acc": acc(logits, y)})
-            times.append(time.perf_counter() - t0)
-            faults.append(_minor_faults() - faults0)
-        entry: dict[str, Any] = {
-            "batch_s": times[warmup:],
-            "period_s": periods[warmup - 1 :] if warmup else periods,
-            "warmup_s": times[:warmup],
-            "fit_s": time.perf_counter() - t_fit,
-            "replicas_equal": _replicas_equal(net),
-            "frames_compiled": frames_compiled() - frames_before,
-            "page_faults": faults[warmup:],
-            "breakdown": [],
-        }
-        if kind == "sgdtp":
-            entry["plan"], buckets = _plan_entry(fabric.strategy.plan)
-        else:
-            entry["ddp_bucket_bytes"] = _ddp_bucket_bytes(model._forward_module)
-            buckets = [(b, torch.float32) for b in entry["ddp_bucket_bytes"]]
-        if sync:
-            entry["comm_alone_ms"] = _comm_alone_ms(buckets)
-        result[phase] = entry
+        use_fused(optimizer.optimizer)
+    if not sync and kind == "sgdtp":
+        _sgdtp_without_sync(fabric.strategy)
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=batch, shuffle=False, drop_last=True))
+    acc = MulticlassAccuracy(num_classes=10).to(fabric.device)
+    times: list[float] = []
+    periods: list[float] = []
+    faults: list[int] = []
+    frames_before = frames_compiled()
+    t_fit = t_prev = time.perf_counter()
+    for i, (x, y) in enumerate(loader):
+        if i == total:
+            break
+        t0 = time.perf_counter()
+        if i:
+            periods.append(t0 - t_prev)
+        t_prev, faults0 = t0, _minor_faults()
+        with fabric.no_backward_sync(model, enabled=not sync and kind == "ddp"):  # DDP's no_sync
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+            fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        fabric.log_dict({"loss": loss, "acc": acc(logits, y)})
+        times.append(time.perf_counter() - t0)
+        faults.append(_minor_faults() - faults0)
+    entry: dict[str, Any] = {
+        "batch_s": times[warmup:],
+        "period_s": periods[warmup:],
+        "warmup_s": times[:warmup],
+        "fit_s": time.perf_counter() - t_fit,
+        "replicas_equal": _replicas_equal(net),
+        "frames_compiled": frames_compiled() - frames_before,
+        "page_faults": faults[warmup:],
+        "breakdown": [],
+    }
+    ddp_buckets = [] if kind == "sgdtp" else _ddp_bucket_bytes(model._forward_module)
+    _record_buckets(entry, sync, fabric.strategy.plan if kind == "sgdtp" else None, ddp_buckets)
     if fabric.global_rank == 0:
-        out.write_text(json.dumps(result))
+        result = {"workload": "fabric", "variant": variant, "steps": steps, "warmup": warmup, "params": params}
+        out.write_text(json.dumps({**result, phase: entry}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _record_buckets(entry: dict[str, Any], sync: bool, plan: dict[str, Any] | None, ddp_buckets: list[int]) -> None:
+    """What a run keeps of its gradient buckets: sgdtp's from its ``plan``, DDP's sizes otherwise; after a synced
+    run, the time to all-reduce them alone."""
+    import torch
+
+    if plan is not None:
+        entry["plan"], buckets = _plan_entry(plan)
+    else:
+        entry["ddp_bucket_bytes"] = ddp_buckets
+        buckets = [(n, torch.float32) for n in ddp_buckets]
+    if sync:
+        entry["comm_alone_ms"] = _comm_alone_ms(buckets)
 
 
 def _ddp_bucket_bytes(ddp: Any) -> list[int]:
@@ -795,7 +797,9 @@ if __name__ == "__main__":
     if args.worker:
         workload, variant = args.worker
         if workload == "fabric":
-            _fabric_worker(variant, args.out, args.steps, args.warmup, args.phases.split(","))
+            if "," in args.phases:
+                raise SystemExit("the fabric workload runs one phase per worker (one model per Fabric)")
+            _fabric_worker(variant, args.out, args.steps, args.warmup, args.phases)
             sys.exit(0)
         _worker(workload, variant, args.out, args.steps, args.warmup, args.phases.split(","), args.profile)
         sys.exit(0)
