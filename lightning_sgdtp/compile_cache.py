@@ -60,6 +60,7 @@ GRAPH_OPTIONS = (
     "sharding",
     "param_gather_dtype",
     "shard_size",
+    "regional_compile",
 )
 
 
@@ -121,12 +122,18 @@ class CompileCache:
         trusted_key: str | None = None,
         signing_key: str | None = None,
         local_dir: Path | None = None,
+        max_bytes: int | None = None,
+        own_folder: bool = False,
     ) -> None:
         self.root, self.fields = Path(root), fields
         self.key = cache_key(fields)
         self.bundle = self.root / self.key
         self.trusted_key, self.signing_key = trusted_key, signing_key
-        env_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        #: The bound of ``root`` (:func:`evict`), checked when a bundle is written.
+        self.max_bytes = max_bytes
+        # The default cache (own_folder) keeps Inductor's folder to itself, one per key: a TORCHINDUCTOR_CACHE_DIR of
+        # the user's, shared with other work, would be copied whole into the bundle.
+        env_dir = None if own_folder else os.environ.get("TORCHINDUCTOR_CACHE_DIR")
         self.local_dir = Path(local_dir or env_dir or Path(tempfile.gettempdir()) / f"sgdtp-inductor-{self.key[:16]}")
         self.warm = False
         self.rejected = False  # the bundle failed verification: this job replaces it
@@ -164,6 +171,8 @@ class CompileCache:
                     shutil.copy2(src, self.local_dir / rel)
             (self.local_dir / LOADED).write_text(self.key)
             self.warm = True
+            with contextlib.suppress(OSError):
+                os.utime(self.bundle)  # used now: evicted last
             return f"compile cache: bundle {self.key} verified and loaded into {self.local_dir}"
 
     # --------------------------------------------------------------------------------------------- graphs
@@ -213,8 +222,43 @@ class CompileCache:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         files = sum(1 for p in self.bundle.rglob("*") if p.is_file())
-        size = sum(p.stat().st_size for p in self.bundle.rglob("*") if p.is_file())
-        return f"compile cache: wrote bundle {self.bundle} ({files} files, {size / 2**20:.1f} MiB)"
+        size = _size(self.bundle)
+        evicted = evict(self.root, self.max_bytes, keep=self.key) if self.max_bytes is not None else []
+        return f"compile cache: wrote bundle {self.bundle} ({files} files, {size / 2**20:.1f} MiB)" + (
+            f"; evicted {len(evicted)} least recently used bundle(s) to stay under {self.max_bytes / 2**30:g} GiB"
+            if evicted
+            else ""
+        )
+
+
+def bundles(root: Path) -> list[Path]:
+    """The bundles in a compile cache folder, least recently used first (their folders' modification times)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def evict(root: Path, max_bytes: int, keep: str | None = None) -> list[Path]:
+    """Remove the least recently used bundles of ``root`` until it holds at most ``max_bytes`` (never ``keep``).
+    A bundle another job is loading at that moment is only missed by it: that job compiles."""
+    present = bundles(root)
+    total = sum(_size(b) for b in present)
+    removed = []
+    for bundle in present:
+        if total <= max_bytes:
+            break
+        if bundle.name == keep:
+            continue
+        size = _size(bundle)
+        shutil.rmtree(bundle, ignore_errors=True)
+        total -= size
+        removed.append(bundle)
+    return removed
 
 
 def _fsync_tree(root: Path) -> None:

@@ -8,10 +8,6 @@ at construction, before any process is spawned, with a message that names the op
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import textwrap
-import typing
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -74,8 +70,13 @@ class SGDTPConfig:
         trusted_key: A gpg keyring (checked with ``gpgv``) or a PEM public key: checkpoints must be signed by it.
         signing_key: Sign each checkpoint folder's manifest: ``"gpg:KEY"`` (a gpg key id, fingerprint or email;
             ``GNUPGHOME`` applies) or the path of a PEM private key.
-        compile_cache: A folder (shared by the nodes) for compiled-step bundles: one rank per node compiles, and
-            later jobs with the same model, layout and plan start warm. See ``docs/compile-cache.md``.
+        regional_compile: compile each distinct block of the block stack once and reuse it for every layer
+            (``nested_compile_region``); ``False``: one graph, each layer on its own. See ``docs/compile-cache.md``.
+        compile_cache: ``"auto"`` (default): a per-user cache folder (``$SGDTP_COMPILE_CACHE``, else the platform's
+            cache directory; ``SGDTP_COMPILE_CACHE=off`` turns it off; not with pipeline stages); a folder shared by
+            the nodes; None: off. One rank per node compiles, later jobs of the same model, layout and plan start
+            warm. See ``docs/compile-cache.md``.
+        compile_cache_max_gb: the bound of the compile cache folder; the least recently used bundles go first.
         tensor_parallel_size: ranks per tensor-parallel group (``"tensor"``/``"hybrid"``): an int, or ``"auto"``
             (the default): all ranks for ``"tensor"``, one fast-link island for ``"hybrid"`` (an NVLink group;
             on CPU, one node).
@@ -144,7 +145,9 @@ class SGDTPConfig:
     verify_artifacts: bool = True
     trusted_key: str | None = None
     signing_key: str | None = None
-    compile_cache: str | None = None
+    compile_cache: str | None = "auto"
+    compile_cache_max_gb: float = 10.0
+    regional_compile: bool = True
     pipeline_chunks: int | None = None
     pipeline_stages: int | None = None
     pipeline_schedule: str = "1f1b"
@@ -205,7 +208,13 @@ class SGDTPConfig:
                 "debug_skip_sync='reduce-scatter' applies to sharded parameters: set sharding='full' or 'optimizer'"
                 " (or use 'dp-sync')."
             )
-        for name in ("overlap", "activation_checkpointing", "broadcast_buffers", "verify_artifacts"):
+        for name in (
+            "overlap",
+            "activation_checkpointing",
+            "broadcast_buffers",
+            "verify_artifacts",
+            "regional_compile",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise SGDTPConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
         for name in ("collective_timeout", "rendezvous_timeout", "shutdown_grace"):
@@ -219,15 +228,27 @@ class SGDTPConfig:
                 " or a PEM public key."
             )
         if self.compile_cache is not None and not isinstance(self.compile_cache, (str, Path)):
-            raise SGDTPConfigError(
-                f"compile_cache={self.compile_cache!r} must be a folder path, e.g. '/shared/sgdtp-cache'."
-            )
+            raise SGDTPConfigError(f"compile_cache={self.compile_cache!r}: use 'auto', a folder path or None (off).")
+        if isinstance(self.compile_cache_max_gb, bool) or not (isinstance(self.compile_cache_max_gb, (int, float))):
+            raise SGDTPConfigError(f"compile_cache_max_gb={self.compile_cache_max_gb!r} must be a number, e.g. 10.")
         key = self.signing_key
         if key is not None and not (key.startswith("gpg:") and len(key) > 4) and not Path(key).is_file():
             raise SGDTPConfigError(
                 f"signing_key={key!r} is neither 'gpg:KEY' (a gpg key id, fingerprint or email) nor a PEM private key"
                 " file."
             )
+
+    @property
+    def cache_folder(self) -> Path | None:
+        """The compile cache's folder: the option's, the default one (``"auto"``, not with pipeline stages), or None."""
+        from lightning_sgdtp.compiler.artifacts import default_cache_folder
+
+        auto = self.compile_cache == "auto"
+        return (
+            (default_cache_folder() if not self.pipelined else None)
+            if auto
+            else self.compile_cache and Path(self.compile_cache)
+        )
 
     @property
     def planned(self) -> bool:
@@ -285,7 +306,7 @@ class SGDTPConfig:
                         f" pipeline) and/or pipeline_chunks (micro-batches per step), or remove {name}."
                     )
             return
-        if self.compile_cache is not None:
+        if self.compile_cache not in (None, "auto"):
             raise NotAvailableYetError(
                 "compile_cache with pipeline parallelism is not available yet (each micro-batch shape compiles its"
                 " stages at the first step). Remove compile_cache, or train without pipeline_stages."
@@ -538,31 +559,6 @@ class SGDTPConfig:
             raise SGDTPConfigError(f"unknown option(s) {sorted(unknown)}. Known options: {sorted(fields)}.")
         kwargs.update(overrides)
         return cls(**kwargs)
-
-
-def strategy_signature(init: Callable[..., None]) -> inspect.Signature:
-    """``SGDTPStrategy.__init__`` as LightningCLI and ``help()`` see it: its own parameters (``options``, Lightning's),
-    then every option as a keyword-only parameter typed as its field (``None``: the option's default). An option
-    is declared once, as a field here."""
-    own = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    hints = typing.get_type_hints(SGDTPConfig)
-    options = [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hints[f.name] | None)
-        for f in dataclasses.fields(SGDTPConfig)
-    ]
-    return inspect.Signature([*own, *options])
-
-
-def strategy_docs() -> str:
-    """``SGDTPStrategy.__init__``'s ``Args:``: ``options``, then each option's help text from :class:`SGDTPConfig`."""
-    doc = inspect.cleandoc(SGDTPConfig.__doc__ or "")
-    entries = textwrap.dedent(doc[doc.index("Args:") + len("Args:") :].strip("\n"))
-    head = (
-        'options: the design documents\' ``{"distributed": {"plugin": "sgdtp", "strategy": "data", ...}}``;'
-        " explicit keyword arguments win over it."
-    )
-    summary = "The strategy's options: ``options`` and every field of :class:`SGDTPConfig` (``docs/options.md``)."
-    return f"{summary}\n\nArgs:\n" + textwrap.indent(f"{head}\n{entries}", "    ") + "\n"
 
 
 def check_process_group_backend(name: str | None) -> None:

@@ -48,15 +48,13 @@ from lightning_sgdtp.config import (
     check_fabric_options,
     check_process_group_backend,
     check_trainer_plugins,
-    strategy_docs,
-    strategy_signature,
 )
 from lightning_sgdtp.engine.base import BROADCAST_BUCKET_BYTES, EngineInputs
 from lightning_sgdtp.engine.compiled import CompiledStep
 from lightning_sgdtp.engine.parallelize import start_from_rank_0, to_device
 from lightning_sgdtp.engine.step_compile import check_not_compiled
 from lightning_sgdtp.faults import FaultGuard
-from lightning_sgdtp.front_end import FrontEnd
+from lightning_sgdtp.front_end import FrontEnd, strategy_docs, strategy_signature
 from lightning_sgdtp.layout import ParallelDims
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
 from lightning_sgdtp.planner.auto import given_options

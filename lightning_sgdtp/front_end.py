@@ -6,6 +6,11 @@ under the fault guard, so that a lost peer is named.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import textwrap
+import typing
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,3 +99,28 @@ class FrontEnd:
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return comm.broadcast_object(self._guard, obj, src)
+
+
+def strategy_signature(init: Callable[..., None]) -> inspect.Signature:
+    """``SGDTPStrategy.__init__`` as LightningCLI and ``help()`` see it: its own parameters (``options``, Lightning's),
+    then every option as a keyword-only parameter typed as its field (``None``: the option's default). An option
+    is declared once, as a field here."""
+    own = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    hints = typing.get_type_hints(SGDTPConfig)
+    options = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hints[f.name] | None)
+        for f in dataclasses.fields(SGDTPConfig)
+    ]
+    return inspect.Signature([*own, *options])
+
+
+def strategy_docs() -> str:
+    """``SGDTPStrategy.__init__``'s ``Args:``: ``options``, then each option's help text from :class:`SGDTPConfig`."""
+    doc = inspect.cleandoc(SGDTPConfig.__doc__ or "")
+    entries = textwrap.dedent(doc[doc.index("Args:") + len("Args:") :].strip("\n"))
+    head = (
+        'options: the design documents\' ``{"distributed": {"plugin": "sgdtp", "strategy": "data", ...}}``;'
+        " explicit keyword arguments win over it."
+    )
+    summary = "The strategy's options: ``options`` and every field of :class:`SGDTPConfig` (``docs/options.md``)."
+    return f"{summary}\n\nArgs:\n" + textwrap.indent(f"{head}\n{entries}", "    ") + "\n"

@@ -107,6 +107,8 @@ class GradSync:
         self._fingerprint: tuple | None = None
         #: How many backwards waited for the agreement before running (record changed), the rest after.
         self.waits_before_backward = 0
+        #: The micro-batch in flight runs eagerly on purpose (:meth:`eager_micro_batch`).
+        self._eager = False
         if not self.enabled:
             say(
                 "NEGATIVE CONTROL (debug_skip_sync='dp-sync'): no data-parallel gradient averaging at all;"
@@ -186,7 +188,14 @@ class GradSync:
         moved = {i for i in record.graph if i not in self.compiler.graph_param_ids}
         record.graph -= moved
         record.eager |= moved
-        self._note_fallback(self.ledger.sync(record))
+        synced = self.ledger.sync(record)
+        if not self._eager:  # a short batch run eagerly on purpose is not an eager region of the model
+            self._note_fallback(synced)
+        self._eager = False
+
+    def eager_micro_batch(self) -> None:
+        """This micro-batch runs eagerly on purpose (a short batch): its fallback sync is expected, not noted."""
+        self._eager = True
 
     # -------------------------------------------------------------------------------- pipelined engine
     def after_pipeline_backward(self, local_parameters: list[torch.nn.Parameter], sum_tied: Callable[[], None]) -> None:

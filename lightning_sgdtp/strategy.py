@@ -47,8 +47,6 @@ from lightning_sgdtp.config import (
     SGDTPConfigError,
     check_process_group_backend,
     check_trainer_plugins,
-    strategy_docs,
-    strategy_signature,
 )
 from lightning_sgdtp.engine.base import EngineInputs, StepEngine
 from lightning_sgdtp.engine.compiled import CompiledStep
@@ -56,7 +54,7 @@ from lightning_sgdtp.engine.parallelize import is_tensor_parallel, start_from_ra
 from lightning_sgdtp.engine.pipelined import PipelinedStep
 from lightning_sgdtp.engine.step_compile import check_not_compiled
 from lightning_sgdtp.faults import FaultGuard
-from lightning_sgdtp.front_end import FrontEnd
+from lightning_sgdtp.front_end import FrontEnd, strategy_docs, strategy_signature
 from lightning_sgdtp.layout import ParallelDims
 from lightning_sgdtp.ledger import GradLedger
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message

@@ -71,4 +71,7 @@ def session_inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "inductor-cache"
     folder.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    # Jobs compile into this session's cache, never the user's default compile cache (a per-user folder that would
+    # carry state from one run of the suite to the next); test_compile_cache.py gives its jobs folders of their own.
+    os.environ["SGDTP_COMPILE_CACHE"] = "off"
     return folder

@@ -201,6 +201,56 @@ class CacheFolderError(OSError):
     """A folder the compiled artifacts go to cannot be written: raised at setup, before any training."""
 
 
+#: The environment variable that moves the default compile cache (a folder) or turns it off (``off``).
+CACHE_ENV = "SGDTP_COMPILE_CACHE"
+CACHE_OFF = ("", "0", "off", "false", "no", "none")
+_warned: set[str] = set()
+
+
+def platform_cache_root() -> Path:
+    """The platform's per-user cache directory: ``$XDG_CACHE_HOME`` or ``~/.cache`` (Linux), ``~/Library/Caches``
+    (macOS), ``%LOCALAPPDATA%`` (Windows)."""
+    import sys
+
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches"
+    if os.name == "nt":
+        return Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+def default_cache_folder() -> Path | None:
+    """The compile cache a job uses with no option (``compile_cache="auto"``): ``$SGDTP_COMPILE_CACHE`` (a folder, or
+    ``off``), else ``lightning_sgdtp/compile`` in :func:`platform_cache_root`. None when it is off, or when the folder
+    cannot be written: then a warning (once per process) and the job compiles without the cache; never an error."""
+    env = os.environ.get(CACHE_ENV)
+    if env is not None and env.strip().lower() in CACHE_OFF:
+        return None
+    folder = Path(env) if env else platform_cache_root() / "lightning_sgdtp" / "compile"
+    try:
+        _probe(folder)
+    except OSError as err:
+        if str(folder) not in _warned:
+            _warned.add(str(folder))
+            import warnings
+
+            warnings.warn(
+                f"sgdtp: the default compile cache {folder} cannot be written ({err.strerror or err}); compiling"
+                f" without it. Set {CACHE_ENV} to a writable folder, or {CACHE_ENV}=off to silence this.",
+                stacklevel=2,
+            )
+        return None
+    return folder
+
+
+def _probe(folder: Path) -> None:
+    """Create ``folder`` and write (then remove) a file in it; raises OSError when that fails."""
+    probe = folder / f".sgdtp-write-probe-{os.getpid()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    probe.write_bytes(b"")
+    probe.unlink()
+
+
 def check_cache_folders(compile_cache: str | os.PathLike | None) -> list[Path]:
     """Create and write a probe file in every folder this job's compiles write to: Inductor's cache
     (``TORCHINDUCTOR_CACHE_DIR``, else its default under the temporary folder) and, with ``compile_cache``, that
@@ -218,11 +268,8 @@ def check_cache_folders(compile_cache: str | os.PathLike | None) -> list[Path]:
         fix = "Pass SGDTPStrategy(compile_cache=...) a folder every node can write (a shared file system), or drop it"
         folders.append((Path(compile_cache), "compile_cache", fix))
     for folder, what, fix in folders:
-        probe = folder / f".sgdtp-write-probe-{os.getpid()}"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"")
-            probe.unlink()
+            _probe(folder)
         except OSError as err:
             raise CacheFolderError(
                 f"the compile cache folder {folder} ({what}) cannot be written ({err.strerror or err}); compiled"

@@ -34,6 +34,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from lightning_sgdtp.compiler.artifacts import PLUGIN_FINGERPRINT, install_atomic_builds
 from lightning_sgdtp.compiler.bucket_cost import CostModel
 from lightning_sgdtp.compiler.buckets import GraphBuckets, insert_bucketed_allreduce
+from lightning_sgdtp.compiler.regions import REGION_PATCHES, holds_regions
 from lightning_sgdtp.compiler.shard_proof import check_sharded_gradients, count_collectives
 from lightning_sgdtp.compiler.waits import one_tensor_per_output, one_wait_per_collective
 from lightning_sgdtp.config import SGDTPConfig
@@ -134,6 +135,8 @@ class SGDTPCompiler:
         self.graph_ids = graph_ids if graph_ids is not None else itertools.count()
         #: graph id -> the sharded parameters' collectives in its forward and backward (the plan's sharding entry).
         self.sharded_graphs: dict[int, dict[str, Any]] = {}
+        #: Graphs captured with nested compile regions (regional compile).
+        self.regions_compiled = 0
 
     @property
     def in_graph_sync(self) -> bool:
@@ -269,8 +272,12 @@ class SGDTPCompiler:
                 return compile_fx_inner(g, inputs, **kwargs)
 
         aot_cache = torch._functorch.config.patch(enable_autograd_cache=self.settings.aot_cache)
+        # A step with nested compile regions (regional compile): Inductor's buffer reuse off (compiler/regions.py).
+        regional = holds_regions(gm)
+        self.regions_compiled += regional
+        patches = self.inductor_patches | (REGION_PATCHES if regional else {})
         with self.settings.compile_lock(), _salted(salt), aot_cache:
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.inductor_patches)
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
 
 def bucket_salt(decided: GraphBuckets) -> str:

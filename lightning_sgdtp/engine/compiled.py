@@ -29,6 +29,7 @@ from lightning_sgdtp.compiler import bucket_cost
 from lightning_sgdtp.compiler.artifacts import CompileLock, cost_model_folder
 from lightning_sgdtp.compiler.backend import CompileSettings, SGDTPCompiler
 from lightning_sgdtp.compiler.bucket_cost import CostModel
+from lightning_sgdtp.compiler.regions import unmark_regions
 from lightning_sgdtp.engine.base import Clip, EngineInputs, StepEngine, broadcast_buffers
 from lightning_sgdtp.engine.parallelize import PartPlan, parallelize, plan_part, sync_line
 from lightning_sgdtp.engine.step_compile import compile_step, restore_bookkeeping, run_bookkeeping_eagerly
@@ -36,6 +37,22 @@ from lightning_sgdtp.grad_sync import GradSync
 from lightning_sgdtp.parallel.clipping import clip_grad_norm_
 from lightning_sgdtp.parallel.tensor import TensorPlan
 from lightning_sgdtp.timeline import label
+
+
+def batch_shapes(args: tuple, kwargs: dict) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the tensors a step is called with, in order."""
+    from torch.utils._pytree import tree_leaves
+
+    return tuple(tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor))
+
+
+def is_short_batch(shapes: tuple[tuple[int, ...], ...], first: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether ``shapes`` are those of ``first`` with fewer rows (the leading dimension) and nothing else changed:
+    an epoch's last batch. Any other change (a longer batch, a new sequence length) is Dynamo's to handle."""
+    if not shapes or len(shapes) != len(first):
+        return False
+    same_rest = all(len(a) == len(b) and a[1:] == b[1:] for a, b in zip(shapes, first))
+    return same_rest and all(a[:1] <= b[:1] for a, b in zip(shapes, first)) and shapes != first
 
 
 class CompiledStep(StepEngine):
@@ -53,6 +70,9 @@ class CompiledStep(StepEngine):
         self._step_name = "training_step"
         #: With gradient accumulation: the backend of the micro-batches that only accumulate (no collectives).
         self.accumulating_compiler: SGDTPCompiler | None = None
+        #: The shapes of the first compiled batch's tensors (a shorter one runs eagerly: :meth:`_step_for`).
+        self._batch_shapes: tuple[tuple[int, ...], ...] | None = None
+        self._said_short = False
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self, fitting: bool, accumulate: int, step: str = "training_step") -> Clip | None:
@@ -97,16 +117,19 @@ class CompiledStep(StepEngine):
         module, config = self.module, self.config
         names = {id(p): n for n, p in module.named_parameters()}
         settings = CompileSettings(in_graph_sync=plan.in_graph_sync, prove_shards=plan.prove_shards)
-        if plan.measure_link:
-            settings = dataclasses.replace(settings, cost=self._cost_model())
-        if plan.lock_compiles == "cache":
-            cache = self._setup_compile_cache(accumulate == 1)
-            settings = dataclasses.replace(settings, compile_lock=cache.lock, aot_cache=True)
+        lock = None
+        if plan.compile_cache is not None:  # first: Inductor's folder (and the recorded cost model) move into it
+            cache = self._setup_compile_cache(Path(plan.compile_cache), accumulate == 1)
+            settings = dataclasses.replace(settings, aot_cache=True)
+            lock = cache.lock
         elif plan.lock_compiles == "node":
+            lock = CompileLock(Path(cache_dir()) / "sgdtp-compile.lock", config.collective_timeout / 4)
+        if plan.lock_compiles == "node":
             # Every rank compiles the same graphs: the first on a node compiles, the others wait for it (at most
             # collective_timeout/4, then compile beside it) and load side by side (compiler/artifacts.CompileLock).
-            lock = CompileLock(Path(cache_dir()) / "sgdtp-compile.lock", config.collective_timeout / 4)
             settings = dataclasses.replace(settings, compile_lock=lock)
+        if plan.measure_link:
+            settings = dataclasses.replace(settings, cost=self._cost_model())
         self.compiler = SGDTPCompiler(config, self.dims.dp_group, names, self._on_graph, settings=settings)
         if accumulate == 1:
             return [self.compiler]
@@ -150,9 +173,8 @@ class CompiledStep(StepEngine):
             )
         return self._cost
 
-    def _setup_compile_cache(self, in_graph: bool) -> compile_cache.CompileCache:
+    def _setup_compile_cache(self, folder: Path, in_graph: bool) -> compile_cache.CompileCache:
         """Key the bundle by what makes compiled artifacts valid; load it if it verifies."""
-        assert self.config.compile_cache is not None
         layout = self.dims
         fields = compile_cache.key_fields(
             self.module,
@@ -167,8 +189,9 @@ class CompiledStep(StepEngine):
             tensor_parallel_plan=self.tensor_plan.to_dict() if self.tensor_plan is not None else None,
         )
         cache = compile_cache.CompileCache(
-            Path(self.config.compile_cache), fields, self.config.trusted_key, self.config.signing_key
-        )
+            folder, fields, self.config.trusted_key, self.config.signing_key,
+            max_bytes=int(self.config.compile_cache_max_gb * 2**30), own_folder=self.config.compile_cache == "auto",
+        )  # fmt: skip
         self.report.say(cache.prepare())
         self.cache = cache
         return cache
@@ -188,7 +211,26 @@ class CompiledStep(StepEngine):
                 with label("sgdtp: broadcast buffers"):
                     broadcast_buffers([self.module], self.dims.dp_group)
             with self.implicit_replication():
-                return self._compiled("training_step")(*args, **kwargs)
+                return self._step_for(args, kwargs)(*args, **kwargs)
+
+    def _step_for(self, args: tuple, kwargs: dict) -> Callable:
+        """The compiled step, or the eager one for a short batch: a batch with fewer rows than the first (the
+        epoch's last) would make Dynamo compile the whole step again, for one batch an epoch. It runs eagerly
+        instead, its gradients averaged after backward by the ledger's fallback buckets, the same numbers."""
+        rows = batch_shapes(args, kwargs)
+        if self._batch_shapes is None:
+            self._batch_shapes = rows
+        elif is_short_batch(rows, self._batch_shapes):
+            if not self._said_short:
+                self._said_short = True
+                self.report.say(
+                    f"a short batch ({rows[0][0]} rows, not {self._batch_shapes[0][0]}: the epoch's last) runs eagerly,"
+                    " its gradients averaged after backward (fallback buckets): no second compile for one batch"
+                )
+            if self.grad_sync is not None:
+                self.grad_sync.eager_micro_batch()
+            return getattr(self.module, self._step_name)
+        return self._compiled("training_step")
 
     def eval_step(
         self, hook: str, args: tuple, kwargs: dict, default: Callable[[], Any], context: Callable[[], Any]
@@ -254,3 +296,4 @@ class CompiledStep(StepEngine):
     def teardown(self, barrier: Callable[[str], None]) -> None:
         super().teardown(barrier)
         restore_bookkeeping(self.module)
+        unmark_regions(self.module)  # the user's classes back (a pickled model must find them)

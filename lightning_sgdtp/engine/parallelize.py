@@ -17,7 +17,9 @@ order (torchtitan's ``parallelize_llama``):
    compile, so that Dynamo traces each checkpointed block as one higher-order op and the recomputation stays inside
    the compiled region (the in-graph buckets are planned over the whole backward);
 5. **compile** through the ``"sgdtp"`` backend(s): last, with backends made for the part as it now is (its
-   parameters' names and DTensors). A stage's ``forward`` is compiled in place; the LightningModule's
+   parameters' names and DTensors). With ``regional_compile`` each block of the block stack is first marked as a
+   nested compile region (:mod:`~lightning_sgdtp.compiler.regions`): after checkpointing, so that a checkpointed
+   block is one region, recomputation included; the step is still one graph for the backend. A stage's ``forward`` is compiled in place; the LightningModule's
    ``training_step`` is wrapped (:func:`~lightning_sgdtp.engine.step_compile.compile_step`), once per backend.
 
 What a plan asks for and the module already has (fit, then validate, or a second fit) is skipped: the plan is
@@ -36,10 +38,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_sgdtp.compiler.regions import Regions, mark_regions
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.engine.step_compile import compile_step
 from lightning_sgdtp.layout import ParallelDims
-from lightning_sgdtp.parallel.checkpointing import block_names, checkpoint_blocks
+from lightning_sgdtp.parallel.checkpointing import block_names, checkpoint_blocks, find_block_stack
 from lightning_sgdtp.parallel.sharding import (
     ShardPlan,
     is_sharded,
@@ -58,6 +61,11 @@ from lightning_sgdtp.parallel.tensor import (
     resolve_plan,
 )
 
+REGIONAL_OFF = "regional compile: off (regional_compile=False): the step compiles as one graph, each layer on its own"
+REGIONAL_STAGES = (
+    "regional compile: not for pipeline stages (a stage is a graph traced by torch.export, which calls no block's"
+    " forward to reuse): each stage compiles its own blocks, a 1/stages share of the depth"
+)
 #: Set (to 1) by the test suite: only then does ``debug_skip_sync`` act (it trains wrong on purpose).
 DEBUG_OPTIONS_ENV = "SGDTP_DEBUG_OPTIONS"
 
@@ -95,9 +103,11 @@ class PartPlan:
     prove_shards: bool = True
     #: Measure the link and the device for the bucket plan (``bucket_cap_mb="auto"``; one collective).
     measure_link: bool = False
-    #: Who compiles when: ``"cache"`` (the compile cache's lock), ``"node"`` (every rank compiles the same graphs:
-    #: the first on a node compiles, the others load), or None (side by side).
+    #: Who compiles when: ``"node"`` (every rank compiles the same graphs: the first on a node compiles, the others
+    #: load), or None (each rank its own graphs, side by side).
     lock_compiles: str | None = None
+    #: The compile cache's folder (``config.cache_folder``; None: no cache).
+    compile_cache: str | None = None
     #: Clipping by the norm over every shard (``"mesh"``) or every stage (``"pipeline"``); None: Lightning's own.
     clip: str | None = None
     #: Buffers broadcast from the first replica before each step (``broadcast_buffers`` with replicas).
@@ -112,6 +122,8 @@ class PartPlan:
     part: str = "model"
     #: A pipeline stage of a tensor-parallel module: its traced layers get the whole module's split hooks.
     tensor_from_whole: bool = False
+    #: Blocks marked as nested compile regions before compile (``regional_compile``; empty: the step is one graph).
+    regions: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -123,7 +135,9 @@ class PartPlan:
             "dp_sync": self.dp_sync,
             "in_graph_sync": self.in_graph_sync,
             "lock_compiles": self.lock_compiles,
+            "compile_cache": self.compile_cache,
             "debug_skip_sync": self.skipped,
+            "regional_compile": list(self.regions),
         }
 
 
@@ -137,6 +151,8 @@ class Parallelized:
     shard_plan: ShardPlan | None = None
     #: ``training_step`` compiled with each backend, in the order given (the compiled engine).
     steps: list[Callable[..., Any]] = field(default_factory=list)
+    #: The blocks marked as nested compile regions.
+    regions: Regions | None = None
 
     def describe(self, plan: PartPlan) -> list[str]:
         """One log line per decision applied to the whole module (a stage's blocks are announced per stage)."""
@@ -148,6 +164,8 @@ class Parallelized:
             lines.append(
                 f"activation checkpointing on {len(self.checkpointed)} blocks ({first} .. {last}), applied before compile"
             )
+        if self.regions is not None:
+            lines.append(self.regions.describe())
         return lines
 
 
@@ -196,22 +214,32 @@ def plan_part(
     # replicated or sharded over every rank, on CPU. With tensor parallel or shard_size each rank's graphs name its
     # own row of groups (on GPUs its own device too), and the ranks compile side by side.
     same_graphs = not dims.tp_enabled and not dims.hybrid_shard_enabled and device_type == "cpu"
-    lock = "cache" if config.compile_cache is not None else "node" if dims.dp_enabled and same_graphs else None
-    notes = ()
+    lock = "node" if dims.dp_enabled and same_graphs else None
+    cache = config.cache_folder if whole else None  # pipeline stages: not yet (config refuses a folder with them)
+    compile = "forward" if stage else step if whole and fitting else None
+    # Regional compile: the compiled model's blocks (a traced pipeline stage calls no block's forward: whole).
+    regions: tuple[str, ...] = ()
+    # Marked at every fit (teardown gives the blocks their classes back), compiled or not yet.
+    if config.regional_compile and whole and fitting and find_block_stack(module) is not None:
+        regions = tuple(block_names(module))
+    notes: tuple[str, ...] = ()
+    if whole and compile is not None and not regions:
+        notes = (Regions().describe() if config.regional_compile else REGIONAL_OFF,)
+    elif part == "pipelined model" and config.regional_compile:
+        notes = (REGIONAL_STAGES,)
     if skipped is not None and sharding is not None and not stage:
-        notes = ("NEGATIVE CONTROL: the sharded parameters' gradients are NOT reduce-scattered",)
+        notes += ("NEGATIVE CONTROL: the sharded parameters' gradients are NOT reduce-scattered",)
     return PartPlan(
         tensor_plan, sharding, checkpoint,
-        compile="forward" if stage else step if whole and fitting else None,
+        compile=compile,
         dp_sync=dp_sync, in_graph_sync=in_graph, prove_shards=dp_sync,
-        # A measured plan's boundaries enter the graphs' cache key: with the compile cache (bundles other nodes
-        # reuse) buckets are capped at 25 MiB instead, the same everywhere.
-        measure_link=config.measured_buckets and config.compile_cache is None and dims.dp_enabled and dp_sync,
-        lock_compiles=lock if whole else None,
+        # The measured cost model is recorded in the compile cache (bundles carry it): a warm job plans the same buckets.
+        measure_link=config.measured_buckets and dims.dp_enabled and dp_sync,
+        lock_compiles=lock if whole else None, compile_cache=str(cache) if cache is not None else None,
         clip="pipeline" if pipelined else "mesh" if dims.on_mesh else None,
         broadcast_buffers=config.broadcast_buffers and dims.dp_enabled,  # over the data-parallel group
         implicit_replication=(whole and dims.on_mesh) or (pipelined and dims.tp_enabled),
-        skipped=skipped, notes=notes, part=part, tensor_from_whole=stage and dims.tp_enabled,
+        skipped=skipped, notes=notes, part=part, tensor_from_whole=stage and dims.tp_enabled, regions=regions,
     )  # fmt: skip
 
 
@@ -252,8 +280,6 @@ def sync_line(
         )
     if measured:
         sizing = "sized by the measured cost model"
-    elif config.measured_buckets:
-        sizing = "of <= 25 MiB (bucket_cap_mb='auto' with compile_cache: a measured plan would change the key)"
     else:
         sizing = f"of <= {config.bucket_cap_mb} MiB"
     return (
@@ -348,7 +374,10 @@ def parallelize(
     # 4. activation checkpointing of each block the part holds, before compile (each stays one graph)
     if plan.checkpoint:
         done.checkpointed = checkpoint_blocks(part, [list(plan.checkpoint)])
-    # 5. compile, last, with backends made for the part as it now is
+    # 5. compile, last, with backends made for the part as it now is; each block one region first (after
+    #    checkpointing: a checkpointed block is one region, its recomputation included)
+    if plan.regions:
+        done.regions = mark_regions(part, plan.regions)
     if plan.compile is not None:
         made = backends(part) if callable(backends) else backends
         if plan.compile == "forward":

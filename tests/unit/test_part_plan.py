@@ -128,8 +128,14 @@ def test_data_parallel_plans_the_compile_and_the_sync_only() -> None:
     assert plan.checkpoint == tuple(f"blocks.{i}" for i in range(4))
     assert plan.in_graph_sync and plan.dp_sync and plan.measure_link and plan.lock_compiles == "node"
     cached = SGDTPConfig(compile_cache="/tmp/x", bucket_cap_mb=25)
-    assert plan_part(cached, dims(cached), Net()).lock_compiles == "cache"
-    assert not plan_part(cached, dims(cached), Net()).measure_link
+    with_cache = plan_part(cached, dims(cached), Net())
+    assert (with_cache.lock_compiles, with_cache.compile_cache) == ("node", "/tmp/x")  # one rank compiles, into it
+    assert not with_cache.measure_link  # a fixed cap: nothing to measure
+    measured = SGDTPConfig(compile_cache="/tmp/x")  # the measured cost model is recorded in the cache: kept
+    assert plan_part(measured, dims(measured), Net()).measure_link
+    assert plan.regions == tuple(f"blocks.{i}" for i in range(4))  # regional compile of the block stack (default)
+    whole = SGDTPConfig(regional_compile=False)
+    assert plan_part(whole, dims(whole), Net()).regions == () and "off" in plan_part(whole, dims(whole), Net()).notes[0]
     evaluation = plan_part(config, dims(config), Net(), fitting=False)
     assert (evaluation.checkpoint, evaluation.compile) == ((), None)  # validate/test: Lightning's own step
 
