@@ -19,6 +19,11 @@ block's parameters for every layer on torch 2.13 (found while building this; the
 torch 2.13's Inductor, on CPU, computed wrong gradients for a step with nested regions unless its buffer reuse is
 off (the example GPT: 1e2 instead of 1e-8 against eager, nondeterministic): the backend switches
 ``allow_buffer_reuse`` off for graphs that hold ``invoke_subgraph`` calls (:func:`holds_regions`).
+
+Not with activation checkpointing: a region inside a checkpoint gave eager's gradients in one process but wrong ones
+(1.4 relative, from the second block down) once the bucketed all-reduces were in the backward, with or without
+overlap scheduling; a marked checkpoint wrapper broke the graph around every layer. Checkpointed models compile
+whole (:data:`~lightning_sgdtp.engine.parallelize.REGIONAL_CHECKPOINTED`).
 """
 
 from __future__ import annotations
@@ -67,8 +72,8 @@ def _marked_class(cls: type) -> type:
 
 
 def mark_regions(module: nn.Module, blocks: tuple[str, ...] | list[str]) -> Regions:
-    """Mark each module named in ``blocks`` (the block stack's blocks, an activation-checkpointing wrapper where
-    there is one) as a nested compile region, in place. Blocks marked already are kept."""
+    """Mark each module named in ``blocks`` (the block stack's blocks) as a nested compile region, in place. Blocks
+    marked already are kept."""
     found = [name for name, _ in module.named_modules() if name in set(blocks)]
     classes: list[str] = []
     for name in found:

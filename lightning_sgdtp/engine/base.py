@@ -113,6 +113,8 @@ class StepEngine(ABC):
         #: Seconds of the first optimizer step (its compiles included: what a warm compile cache shortens).
         self.first_step_s: float | None = None
         self._first_step_began: float | None = None
+        #: What compiling cost until the first optimizer step (:func:`compile_stats`).
+        self.compile_stats: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------------------ setup
     @abstractmethod
@@ -146,6 +148,7 @@ class StepEngine(ABC):
             "timeline": self.timeline.describe() if self.timeline is not None else None,
             "first_step_s": self.first_step_s,
             "graph_cache": graph_cache_counts(),
+            "compile": self.compile_stats,
         }
 
     def plan_token(self) -> tuple:
@@ -196,11 +199,8 @@ class StepEngine(ABC):
         """The coverage proof of the step (and what else an engine publishes after it)."""
         if self.first_step_s is None and self._first_step_began is not None:
             self.first_step_s = round(time.perf_counter() - self._first_step_began, 3)
-            cache = graph_cache_counts()
-            self.report.say(
-                f"first optimizer step: {self.first_step_s:.1f} s, compiling included ({cache['hits']} graph(s) from"
-                f" Inductor's cache, {cache['misses']} compiled)"
-            )
+            self.compile_stats = compile_stats(self.compiler)
+            self.report.say(describe_compile(self.first_step_s, self.compile_stats))
         if self.grad_sync is not None:
             with label("sgdtp: coverage"):
                 self.grad_sync.at_optimizer_step(optimizer)
@@ -265,3 +265,31 @@ def graph_cache_counts() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return {"hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"]}
+
+
+def compile_stats(compiler: SGDTPCompiler | None) -> dict[str, Any]:
+    """What compiling cost this process so far: seconds (Dynamo's frames with their forward compiles, plus the
+    backward compiles AOTAutograd runs lazily), graphs captured, graphs with nested regions (regional compile), and
+    Inductor's and AOTAutograd's cache hits."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    seconds = sum(compilation_time_metrics.get("_compile.compile_inner", [])) + sum(
+        compilation_time_metrics.get("compile_fx.<locals>.bw_compiler", [])
+    )
+    return {
+        "seconds": round(seconds, 2),
+        "graphs": counters["stats"]["unique_graphs"],
+        "with_regions": compiler.regions_compiled if compiler is not None else 0,
+        **graph_cache_counts(),
+        "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],
+    }
+
+
+def describe_compile(first_step_s: float, stats: dict[str, Any]) -> str:
+    """Rank 0's line after the first optimizer step."""
+    regions = f", {stats['with_regions']} with one region per distinct block" if stats["with_regions"] else ""
+    return (
+        f"compile: {stats['seconds']:.1f} s of the first optimizer step's {first_step_s:.1f} s; {stats['graphs']}"
+        f" graph(s) captured{regions}; Inductor's cache {stats['hits']} hit(s), {stats['misses']} compiled;"
+        f" AOTAutograd's cache {stats['aot_hits']} hit(s)"
+    )

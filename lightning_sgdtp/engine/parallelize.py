@@ -62,6 +62,10 @@ from lightning_sgdtp.parallel.tensor import (
 )
 
 REGIONAL_OFF = "regional compile: off (regional_compile=False): the step compiles as one graph, each layer on its own"
+REGIONAL_CHECKPOINTED = (
+    "regional compile: off with activation_checkpointing (on torch 2.13 a checkpointed region's gradients came out"
+    " wrong with the all-reduces in its backward): the step compiles as one graph"
+)
 REGIONAL_STAGES = (
     "regional compile: not for pipeline stages (a stage is a graph traced by torch.export, which calls no block's"
     " forward to reuse): each stage compiles its own blocks, a 1/stages share of the depth"
@@ -220,11 +224,13 @@ def plan_part(
     # Regional compile: the compiled model's blocks (a traced pipeline stage calls no block's forward: whole).
     regions: tuple[str, ...] = ()
     # Marked at every fit (teardown gives the blocks their classes back), compiled or not yet.
-    if config.regional_compile and whole and fitting and find_block_stack(module) is not None:
+    regional = config.regional_compile and not config.activation_checkpointing  # see compiler/regions.py
+    if regional and whole and fitting and find_block_stack(module) is not None:
         regions = tuple(block_names(module))
     notes: tuple[str, ...] = ()
     if whole and compile is not None and not regions:
-        notes = (Regions().describe() if config.regional_compile else REGIONAL_OFF,)
+        off = REGIONAL_CHECKPOINTED if config.activation_checkpointing else REGIONAL_OFF
+        notes = (Regions().describe() if regional else off,)
     elif part == "pipelined model" and config.regional_compile:
         notes = (REGIONAL_STAGES,)
     if skipped is not None and sharding is not None and not stage:

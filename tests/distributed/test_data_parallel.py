@@ -56,25 +56,35 @@ class Case:
     trainer: dict[str, Any] = field(default_factory=dict)
     sgdtp: dict[str, Any] = field(default_factory=dict)
     max_abs: float | None = 1e-4
+    data: dict[str, Any] = field(default_factory=dict)
 
     def scenario(self) -> dict[str, Any]:
-        return {"model": self.model, "trainer": self.trainer, "sgdtp": self.sgdtp}
+        return {"model": self.model, "trainer": self.trainer, "sgdtp": self.sgdtp, "data": self.data}
 
 
 CASES = {
     "breaks": Case("graph breaks (self.log, explicit), an eager region, tied and unused parameters"),
     # One job for what the same GPT graphs show (each was a job of its own): against ddp without checkpointing.
+    # 44 samples: 22 a rank, batches of 4: the sixth (last) step is the epoch's short batch of 2 (run eagerly).
     "gpt": Case(
-        "a small GPT (tied head), several buckets, activation_checkpointing=True; a timeline of steps 3..4",
+        "a small GPT (tied head), several buckets, regional compile (the default), a short last batch; a timeline of"
+        " steps 3..4",
         "small_gpt",
-        sgdtp={"bucket_cap_mb": 0.01, "profile_steps": [3, 4], "activation_checkpointing": True},
+        sgdtp={"bucket_cap_mb": 0.01, "profile_steps": [3, 4]},
         max_abs=5e-4,
+        data={"n": 44},
     ),
     "accum_clip": Case(
         "accumulate_grad_batches=2 + gradient_clip_val",
         trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
     ),
-    "bf16_mixed": Case("precision='bf16-mixed'", "small_gpt", trainer={"precision": "bf16-mixed"}, max_abs=None),
+    "bf16_mixed": Case(
+        "precision='bf16-mixed', activation_checkpointing=True (the step compiled whole: compiler/regions.py)",
+        "small_gpt",
+        trainer={"precision": "bf16-mixed"},
+        sgdtp={"activation_checkpointing": True},
+        max_abs=None,
+    ),
     "manual": Case("manual optimization: two manual_backward per step, clip_gradients", "ManualModel"),
     "scheduled": Case(
         "RMSprop compiled by torch.compile (no fused kernel), a per-step StepLR, gradient clipping",
@@ -98,7 +108,7 @@ def result(name: str, tmp_path_factory: pytest.TempPathFactory, case: Case | Non
 
 @pytest.mark.covers("data", "gradient accumulation", param="accum_clip")
 @pytest.mark.covers("data", "gradient clipping", param="accum_clip")
-@pytest.mark.covers("data", "activation checkpointing", param="gpt")
+@pytest.mark.covers("data", "activation checkpointing", param="bf16_mixed")
 @pytest.mark.covers("data", "bf16-mixed", param="bf16_mixed")
 @pytest.mark.covers("data", "manual optimization", param="manual")
 @pytest.mark.parametrize("name", tiered(list(CASES), SLOW))
@@ -120,6 +130,19 @@ def test_parity_with_ddp(name: str, tmp_path_factory: pytest.TempPathFactory) ->
         assert diff < tolerance, f"{name}: max |sgdtp - ddp| = {diff:.3g} >= {tolerance}"
     # (every optimizer step the strategy checks the ledger's coverage and raises if a gradient was missed)
     assert r["info"]["plan"]["graphs"], "no graph was captured"
+
+
+@pytest.mark.covers("data", "regional compile", param="gpt")
+def test_regional_compile_and_a_short_last_batch_compile_the_step_once(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The GPT's blocks are one region, its buckets (several) in the graph, and the epoch's short last batch adds no
+    compile (counted: Dynamo's graphs after the first step and at the end)."""
+    info = result("gpt", tmp_path_factory)["info"]
+    part = info["plan"]["part_plan"]
+    assert [b.rsplit(".", 1)[-1] for b in part["regional_compile"]] == ["0", "1"], part
+    assert info["backwards"] == 6 and info["compiled_in_all"] == info["compiled_after_first_step"] > 0, info
+    assert all(g["in_graph_sync"] and g["buckets"] for g in info["plan"]["graphs"])
 
 
 @pytest.mark.parametrize("name", tiered(IN_GRAPH, SLOW & set(IN_GRAPH)))
@@ -193,7 +216,7 @@ def test_bf16_on_the_wire_halves_the_bytes(tmp_path_factory: pytest.TempPathFact
 
 @pytest.mark.covers("data", "activation checkpointing")
 def test_activation_checkpointing_wraps_every_block(tmp_path_factory: pytest.TempPathFactory) -> None:
-    plan = result("gpt", tmp_path_factory)["info"]["plan"]
+    plan = result("bf16_mixed", tmp_path_factory)["info"]["plan"]
     assert plan["activation_checkpointing"] == ["model.blocks.0", "model.blocks.1"]
 
 

@@ -133,7 +133,9 @@ def test_data_parallel_plans_the_compile_and_the_sync_only() -> None:
     assert not with_cache.measure_link  # a fixed cap: nothing to measure
     measured = SGDTPConfig(compile_cache="/tmp/x")  # the measured cost model is recorded in the cache: kept
     assert plan_part(measured, dims(measured), Net()).measure_link
-    assert plan.regions == tuple(f"blocks.{i}" for i in range(4))  # regional compile of the block stack (default)
+    assert plan.regions == () and "activation_checkpointing" in plan.notes[0]  # compiles whole (compiler/regions.py)
+    plain = SGDTPConfig()
+    assert plan_part(plain, dims(plain), Net()).regions == tuple(f"blocks.{i}" for i in range(4))  # the default
     whole = SGDTPConfig(regional_compile=False)
     assert plan_part(whole, dims(whole), Net()).regions == () and "off" in plan_part(whole, dims(whole), Net()).notes[0]
     evaluation = plan_part(config, dims(config), Net(), fitting=False)

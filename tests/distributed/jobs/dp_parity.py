@@ -2,9 +2,10 @@
 
 Usage: python tests/distributed/jobs/dp_parity.py OUT_DIR [SCENARIO], with the scenario (JSON; else
 OUT_DIR/scenario.json) = {"model": a name in helpers.models.MODELS, "trainer": Trainer kwargs, "sgdtp":
-SGDTPStrategy kwargs}; e.g. `python tests/distributed/jobs/dp_parity.py /tmp/x '{"model": "BreaksModel"}'`. Lightning's launcher starts the
+SGDTPStrategy kwargs, "data": token_data kwargs (optional)}; e.g. `python tests/distributed/jobs/dp_parity.py /tmp/x '{"model": "BreaksModel"}'`. Lightning's launcher starts the
 second rank by running this script again. Rank 0 writes OUT_DIR/{init,ref,sgdtp}.pt (parameters),
-OUT_DIR/{ref_grads,grads}.pt (first-step gradients) and OUT_DIR/info.json (the plan, backward and sync counts).
+OUT_DIR/{ref_grads,grads}.pt (first-step gradients) and OUT_DIR/info.json (the plan, backward and sync counts, and
+the frames Dynamo compiled after the first step and in all).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class CountBackwardsAndSyncs(L.Callback):
     def __init__(self) -> None:
         self.counts = {"backwards": 0, "syncs": 0}
 
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        from torch._dynamo.utils import counters
+
+        self.counts.setdefault("compiled_after_first_step", counters["stats"]["unique_graphs"])
+
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         ledger = trainer.strategy.ledger
         sync = ledger.sync
@@ -51,7 +57,7 @@ class CountBackwardsAndSyncs(L.Callback):
 def main(out: Path) -> None:
     scenario = read_scenario(out, sys.argv[2] if len(sys.argv) > 2 else None)
     factory, trainer_kwargs = MODELS[scenario["model"]], scenario.get("trainer", {})
-    data = token_data()
+    data = token_data(**scenario.get("data", {}))
 
     L.seed_everything(0, verbose=False)
     ref_model = factory()
@@ -74,7 +80,10 @@ def main(out: Path) -> None:
         torch.save(params(ref_model), out / "ref.pt")
         torch.save(params(model), out / "sgdtp.pt")
         waits = strategy.grad_sync.waits_before_backward
+        from torch._dynamo.utils import counters
+
         info = {"plan": strategy.plan, **counter.counts, "waits_before_backward": waits}
+        info["compiled_in_all"] = counters["stats"]["unique_graphs"]
         (out / "info.json").write_text(json.dumps(info, default=str))
 
 
