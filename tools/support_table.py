@@ -75,6 +75,8 @@ FEATURES: dict[str, str] = {
     "activation checkpointing": "`activation_checkpointing=True`, applied (the plan) and compared with a reference",
     "bf16-mixed": "`Trainer(precision='bf16-mixed')`, compared with a reference",
     "compile cache": "`compile_cache=DIR`: a later job starts warm from the bundle and trains the same",
+    "regional compile": "`regional_compile=True` (the default): one region compiled for every block, compared with a"
+    " reference",
     "resume on another layout": "a checkpoint of this mode resumed in the mode named after the arrow, as one run",
     "consolidate": "the mode's checkpoint made one whole file (`sgdtp consolidate`), equal to the saved weights",
     "manual optimization": "`automatic_optimization = False` with `manual_backward`, compared with a reference",

@@ -132,7 +132,7 @@ def test_parity_with_ddp(name: str, tmp_path_factory: pytest.TempPathFactory) ->
     assert r["info"]["plan"]["graphs"], "no graph was captured"
 
 
-@pytest.mark.covers("data", "regional compile", param="gpt")
+@pytest.mark.covers("data", "regional compile")
 def test_regional_compile_and_a_short_last_batch_compile_the_step_once(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
