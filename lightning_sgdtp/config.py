@@ -74,7 +74,7 @@ class SGDTPConfig:
             (``nested_compile_region``); ``False``: one graph, each layer on its own. See ``docs/compile-cache.md``.
         compile_cache: ``"auto"`` (default): a per-user cache folder (``$SGDTP_COMPILE_CACHE``, else the platform's
             cache directory; ``SGDTP_COMPILE_CACHE=off`` turns it off; not with pipeline stages); a folder shared by
-            the nodes; None: off. One rank per node compiles, later jobs of the same model, layout and plan start
+            the nodes; False: off. One rank per node compiles, later jobs of the same model, layout and plan start
             warm. See ``docs/compile-cache.md``.
         compile_cache_max_gb: the bound of the compile cache folder; the least recently used bundles go first.
         tensor_parallel_size: ranks per tensor-parallel group (``"tensor"``/``"hybrid"``): an int, or ``"auto"``
@@ -145,7 +145,7 @@ class SGDTPConfig:
     verify_artifacts: bool = True
     trusted_key: str | None = None
     signing_key: str | None = None
-    compile_cache: str | None = "auto"
+    compile_cache: str | bool | None = "auto"
     compile_cache_max_gb: float = 10.0
     regional_compile: bool = True
     pipeline_chunks: int | None = None
@@ -227,8 +227,8 @@ class SGDTPConfig:
                 f"trusted_key={self.trusted_key!r} is not a file. Give a gpg keyring (gpg --export KEY > keyring.gpg)"
                 " or a PEM public key."
             )
-        if self.compile_cache is not None and not isinstance(self.compile_cache, (str, Path)):
-            raise SGDTPConfigError(f"compile_cache={self.compile_cache!r}: use 'auto', a folder path or None (off).")
+        if self.compile_cache not in (None, False) and not isinstance(self.compile_cache, (str, Path)):
+            raise SGDTPConfigError(f"compile_cache={self.compile_cache!r}: use 'auto', a folder path or False (off).")
         if isinstance(self.compile_cache_max_gb, bool) or not (isinstance(self.compile_cache_max_gb, (int, float))):
             raise SGDTPConfigError(f"compile_cache_max_gb={self.compile_cache_max_gb!r} must be a number, e.g. 10.")
         key = self.signing_key
@@ -243,12 +243,9 @@ class SGDTPConfig:
         """The compile cache's folder: the option's, the default one (``"auto"``, not with pipeline stages), or None."""
         from lightning_sgdtp.compiler.artifacts import default_cache_folder
 
-        auto = self.compile_cache == "auto"
-        return (
-            (default_cache_folder() if not self.pipelined else None)
-            if auto
-            else self.compile_cache and Path(self.compile_cache)
-        )
+        if self.compile_cache == "auto":
+            return default_cache_folder() if not self.pipelined else None
+        return Path(self.compile_cache) if self.compile_cache else None
 
     @property
     def planned(self) -> bool:
@@ -306,7 +303,7 @@ class SGDTPConfig:
                         f" pipeline) and/or pipeline_chunks (micro-batches per step), or remove {name}."
                     )
             return
-        if self.compile_cache not in (None, "auto"):
+        if self.compile_cache not in (None, False, "auto"):
             raise NotAvailableYetError(
                 "compile_cache with pipeline parallelism is not available yet (each micro-batch shape compiles its"
                 " stages at the first step). Remove compile_cache, or train without pipeline_stages."

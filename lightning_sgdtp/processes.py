@@ -67,7 +67,7 @@ def join(
         )  # fmt: skip
         watchdog.install()
     # Before any compile: a cache folder that cannot be written fails here, named, on the rank that sees it.
-    check_cache_folders(config.compile_cache if config.compile_cache != "auto" else None)  # the default: warned
+    check_cache_folders(None if config.compile_cache == "auto" else config.cache_folder)  # the default only warns
     return watchdog
 
 

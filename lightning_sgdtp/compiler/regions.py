@@ -20,7 +20,10 @@ torch 2.13's Inductor, on CPU, computed wrong gradients for a step with nested r
 off (the example GPT: 1e2 instead of 1e-8 against eager, nondeterministic): the backend switches
 ``allow_buffer_reuse`` off for graphs that hold ``invoke_subgraph`` calls (:func:`holds_regions`).
 
-Not with activation checkpointing: a region inside a checkpoint gave eager's gradients in one process but wrong ones
+Only for plain parameters: with tensor parallel or sharding (DTensor parameters) torch 2.13 fails to compile a region
+("There was no rule registered for HOP invoke_subgraph and subclass FunctionalTensor", or "'FakeTensor' object has
+no attribute 'redistribute'"): those steps compile whole (:data:`~lightning_sgdtp.engine.parallelize.REGIONAL_ON_MESH`).
+Not with activation checkpointing either: a region inside a checkpoint gave eager's gradients in one process but wrong ones
 (1.4 relative, from the second block down) once the bucketed all-reduces were in the backward, with or without
 overlap scheduling; a marked checkpoint wrapper broke the graph around every layer. Checkpointed models compile
 whole (:data:`~lightning_sgdtp.engine.parallelize.REGIONAL_CHECKPOINTED`).

@@ -62,6 +62,10 @@ from lightning_sgdtp.parallel.tensor import (
 )
 
 REGIONAL_OFF = "regional compile: off (regional_compile=False): the step compiles as one graph, each layer on its own"
+REGIONAL_ON_MESH = (
+    "regional compile: off with tensor parallel or sharding (torch 2.13's nested compile regions have no rule for"
+    " DTensor parameters): the step compiles as one graph"
+)
 REGIONAL_CHECKPOINTED = (
     "regional compile: off with activation_checkpointing (on torch 2.13 a checkpointed region's gradients came out"
     " wrong with the all-reduces in its backward): the step compiles as one graph"
@@ -224,13 +228,19 @@ def plan_part(
     # Regional compile: the compiled model's blocks (a traced pipeline stage calls no block's forward: whole).
     regions: tuple[str, ...] = ()
     # Marked at every fit (teardown gives the blocks their classes back), compiled or not yet.
-    regional = config.regional_compile and not config.activation_checkpointing  # see compiler/regions.py
+    # Plain parameters only, and no checkpointing: see compiler/regions.py for what torch 2.13 cannot do.
+    on_mesh = dims.tp_enabled or config.sharded or is_tensor_parallel(module)
+    regional = config.regional_compile and not config.activation_checkpointing and not on_mesh
     if regional and whole and fitting and find_block_stack(module) is not None:
         regions = tuple(block_names(module))
     notes: tuple[str, ...] = ()
     if whole and compile is not None and not regions:
-        off = REGIONAL_CHECKPOINTED if config.activation_checkpointing else REGIONAL_OFF
-        notes = (Regions().describe() if regional else off,)
+        if not config.regional_compile:
+            notes = (REGIONAL_OFF,)
+        elif on_mesh or config.activation_checkpointing:
+            notes = (REGIONAL_ON_MESH if on_mesh else REGIONAL_CHECKPOINTED,)
+        else:
+            notes = (Regions().describe(),)  # no block stack
     elif part == "pipelined model" and config.regional_compile:
         notes = (REGIONAL_STAGES,)
     if skipped is not None and sharding is not None and not stage:

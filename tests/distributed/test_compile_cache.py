@@ -1,5 +1,6 @@
-"""`compile_cache`: one rank per node compiles while the other waits; a later job starts warm from the verified
-bundle, with the same parameters; a tampered bundle is ignored, never half-used.
+"""The compile cache, on by default: one rank per node compiles while the other waits; two jobs started together on
+one folder both train; a later job starts warm from the verified bundle, with the same parameters; a tampered or
+corrupted bundle is ignored, never half-used; an unwritable default folder only warns.
 
 Each job gets a fresh, empty Inductor cache folder (TORCHINDUCTOR_CACHE_DIR), as a job on a new node has; the
 jobs report the FX-graph and AOTAutograd cache hits and misses of each rank (the proof); what the cache did with
@@ -11,6 +12,7 @@ Also here: Inductor's own caches, filled by a plain compile, never give sgdtp a 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,8 +22,13 @@ from helpers.launch import run_job
 JOB = "compile_cache.py"
 
 
-def _job(cache: Path, out: Path, name: str) -> tuple[str, list[dict]]:
-    result = run_job(JOB, str(cache), str(out), name, TORCHINDUCTOR_CACHE_DIR=str(out / f"inductor-{name}"))
+def _job(cache: Path | str, out: Path, name: str, tmp: Path | None = None, **env: str) -> tuple[str, list[dict]]:
+    """A 2-rank job on a fresh "node" (its own, empty, Inductor cache folder, and temporary folder ``tmp``, where
+    the default cache keeps the node's copy). ``cache`` ``"auto"``: no option, the default cache."""
+    tmp = tmp or out / f"tmp-{name}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    inductor = str(out / f"inductor-{name}")
+    result = run_job(JOB, str(cache), str(out), name, TORCHINDUCTOR_CACHE_DIR=inductor, TMPDIR=str(tmp), **env)
     stats = [json.loads((out / f"{name}-{rank}.json").read_text()) for rank in (0, 1)]
     return result.stdout, stats
 
@@ -33,24 +40,31 @@ def _equal(out: Path, a: str, b: str) -> bool:
 
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
-    """A cold job that writes the bundle, then a warm job that loads it (the default run's compile-cache check)."""
+    """Two cold jobs started together on one default cache folder (no option: SGDTP_COMPILE_CACHE names the folder,
+    as a user's platform cache folder would be), then a warm job that loads the bundle they wrote."""
     tmp_path = tmp_path_factory.mktemp("compile-cache")
     cache, out = tmp_path / "cache", tmp_path / "out"
-    log, cold = _job(cache, out, "cold")
+    default = {"SGDTP_COMPILE_CACHE": str(cache)}
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(_job, "auto", out, name, **default) for name in ("cold", "beside")]
+        (log, cold), (beside_log, _) = (job.result() for job in jobs)
     # log wording (the bundle's fate is not in the plan yet): a cold start compiles and writes the bundle
-    assert "this job compiles and writes it" in log and "compile cache: wrote bundle" in log, log[-3000:]
+    logs = log + beside_log
+    assert logs.count("this job compiles and writes it") == 2 and "compile cache: wrote bundle" in logs, logs[-3000:]
     graphs = [s["fxgraph_cache_hit"] + s["fxgraph_cache_miss"] for s in cold]
     # Each graph (forward, backward) was compiled once on the node: by whichever rank came first, while the
     # other waited and then took it from the node's cache.
     assert graphs[0] == graphs[1] >= 2 and sum(s["fxgraph_cache_miss"] for s in cold) == graphs[0], cold
-    (bundle,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert _equal(out, "cold", "beside"), "two jobs started together on one cache folder both train, the same"
+    (bundle,) = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert (bundle / "SGDTP-MANIFEST.json").exists() and (bundle / "SGDTP-CACHE-KEY.json").exists()
 
-    log, warm = _job(cache, out, "warm")
+    log, warm = _job("auto", out, "warm", **default)
     assert "verified and loaded" in log and "taken from the compile cache" in log, log[-3000:]
     assert all(s["fxgraph_cache_miss"] == 0 and s["autograd_cache_hit"] > 0 for s in warm), warm
     assert all(s["graphs"] == cold[0]["graphs"] for s in warm), (warm, cold)  # the plan is reported all the same
     assert _equal(out, "cold", "warm"), "a warm start must train exactly like a cold one"
+    assert "compile: " in log and "AOTAutograd's cache" in log, "rank 0 says what compiling cost"
     return cache, out, cold
 
 
@@ -58,7 +72,28 @@ def warmed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[d
 def test_cold_then_warm(warmed: tuple[Path, Path, list[dict]]) -> None:
     """One compile per node, a bundle written after the first step, a later job warm from it (asserted above)."""
     cache, _, cold = warmed
-    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1 and cold
+    assert len([p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]) == 1 and cold
+
+
+def test_a_corrupted_bundle_is_ignored_with_a_warning_and_rebuilt(warmed: tuple[Path, Path, list[dict]]) -> None:
+    """A bundle whose recorded graph was cut short: the job says so, trains the same, and writes a new bundle. (The
+    node's own copy, from the cold job, stays: the job compiles no more than that node would.)"""
+    cache, out, _ = warmed
+    (bundle,) = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    victim = next((bundle / "sgdtp-plans").glob("*.json"))
+    victim.write_bytes(victim.read_bytes()[:5])
+    log, _ = _job("auto", out, "corrupted", tmp=out / "tmp-cold", SGDTP_COMPILE_CACHE=str(cache))
+    assert "ignored" in log and "compiling from scratch" in log and victim.name in log, log[-3000:]
+    assert "compile cache: wrote bundle" in log and _equal(out, "cold", "corrupted")
+
+
+def test_an_unwritable_default_folder_trains_with_a_warning(warmed: tuple[Path, Path, list[dict]]) -> None:
+    _, out, _ = warmed
+    blocker = out / "a-file"
+    blocker.write_text("")
+    log, _ = _job("auto", out, "unwritable", tmp=out / "tmp-cold", SGDTP_COMPILE_CACHE=str(blocker / "cache"))
+    assert "cannot be written" in log and "compiling without it" in log, log[-3000:]
+    assert "compile cache:" not in log and _equal(out, "cold", "unwritable")
 
 
 @pytest.mark.slow  # the bundle's manifest check itself: tests/unit/test_trust.py; trust in the default run: checkpoints

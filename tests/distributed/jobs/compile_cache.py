@@ -1,4 +1,5 @@
 """A 2-rank job with ``compile_cache``: usage ``python tests/distributed/jobs/compile_cache.py CACHE OUT_DIR NAME``.
+CACHE ``auto``: no option, the default compile cache (its folder from ``SGDTP_COMPILE_CACHE``, set by the test).
 
 Every rank writes OUT_DIR/NAME-RANK.json with its Inductor FX-graph and AOTAutograd cache hits and misses; rank 0
 also writes OUT_DIR/NAME.pt (final parameters). TORCHINDUCTOR_CACHE_DIR is set by the test (a fresh node).
@@ -27,7 +28,7 @@ if __name__ == "__main__":
     cache, out, name = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     L.seed_everything(0, verbose=False)
     model = small_gpt()
-    run = trainer(SGDTPStrategy(compile_cache=cache), out / name, max_steps=3)
+    run = trainer(SGDTPStrategy() if cache == "auto" else SGDTPStrategy(compile_cache=cache), out / name, max_steps=3)
     run.fit(model, token_data(n=32))
     keys = ("fxgraph_cache_hit", "fxgraph_cache_miss")
     stats = {k: counters["inductor"].get(k, 0) for k in keys}
