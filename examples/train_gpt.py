@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pipeline_schedule", default=None, help="sgdtp only: '1f1b', 'gpipe' or 'interleaved_1f1b'")
     p.add_argument("--activation_checkpointing", action="store_true", help="sgdtp only: recompute each block")
     p.add_argument(
+        "--no_regional_compile", action="store_true", help="sgdtp only: compile the step as one graph, layer by layer"
+    )
+    p.add_argument(
         "--bucket_cap_mb", type=float, default=None, help="sgdtp only: MiB per fused all-reduce (default: measured)"
     )
     p.add_argument("--optimizer_update", default=None, help="sgdtp only: 'auto', 'fused', 'compiled' or 'eager'")
@@ -89,6 +92,7 @@ def build_strategy(args: argparse.Namespace) -> str | Strategy:
         tensor_parallel_size=int(tp) if tp and tp.isdigit() else tp,
         bucket_cap_mb=args.bucket_cap_mb,
         activation_checkpointing=args.activation_checkpointing,
+        regional_compile=not args.no_regional_compile,
         collective_timeout=args.collective_timeout,
         pipeline_stages=args.pipeline_stages,
         pipeline_chunks=args.pipeline_chunks,

@@ -69,6 +69,7 @@ def probe() -> dict[str, Any]:
         "pytorch_lightning": _version("pytorch-lightning"),
         "torchmetrics": _version("torchmetrics"),
         "triton": _version("triton") or _version("pytorch-triton-rocm"),
+        "compile_cache": compile_cache_facts(),
     }
     try:
         import torch
@@ -106,6 +107,29 @@ def probe() -> dict[str, Any]:
     version = _run([compiler, "--version"]) if compiler else None
     env["cxx"] = f"{compiler}: {version.splitlines()[0]}" if version else None
     return env
+
+
+def compile_cache_facts() -> dict[str, Any]:
+    """The default compile cache (``compile_cache="auto"``): its folder, bundles and bytes; or why there is none."""
+    from lightning_sgdtp.compiler.artifacts import CACHE_ENV, default_cache_folder
+
+    env = os.environ.get(CACHE_ENV)
+    folder = default_cache_folder()
+    if folder is None:
+        return {"folder": None, "why": f"{CACHE_ENV}={env}" if env is not None else "not writable"}
+    bundles = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    return {"folder": str(folder), "bundles": len(bundles), "bytes": size}
+
+
+def compile_cache_row(facts: dict[str, Any]) -> Row:
+    """The compile cache's row: where it is, how big, how to clear it (never a failure: jobs compile without it)."""
+    if facts.get("folder") is None:
+        return Row("compile cache (default)", f"off ({facts.get('why')})", "ok")
+    found = f"{facts['folder']}: {facts['bundles']} bundle(s), {facts['bytes'] / 2**20:.1f} MiB"
+    return Row(
+        "compile cache (default)", found, "ok", f"to clear: rm -rf {facts['folder']}; off: SGDTP_COMPILE_CACHE=off"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- check
@@ -188,6 +212,8 @@ def check(env: dict[str, Any], supported: dict[str, Any] | None = None) -> list[
         rows.append(
             Row("C++ compiler (Inductor on CPU)", "missing", "fail", "install g++ (apt install g++) or set CXX")
         )
+    if "compile_cache" in env:
+        rows.append(compile_cache_row(env["compile_cache"]))
     if gpus:
         rows.append(Row("GPUs", f"{len(gpus)} x {gpus[0]}", "ok"))
         if torch_build(env) == "cpu":
