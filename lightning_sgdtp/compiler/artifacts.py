@@ -204,7 +204,7 @@ class CacheFolderError(OSError):
 #: The environment variable that moves the default compile cache (a folder) or turns it off (``off``).
 CACHE_ENV = "SGDTP_COMPILE_CACHE"
 CACHE_OFF = ("", "0", "off", "false", "no", "none")
-_warned: set[str] = set()
+_warned: dict[str, str] = {}
 
 
 def platform_cache_root() -> Path:
@@ -222,7 +222,8 @@ def platform_cache_root() -> Path:
 def default_cache_folder() -> Path | None:
     """The compile cache a job uses with no option (``compile_cache="auto"``): ``$SGDTP_COMPILE_CACHE`` (a folder, or
     ``off``), else ``lightning_sgdtp/compile`` in :func:`platform_cache_root`. None when it is off, or when the folder
-    cannot be written: then a warning (once per process) and the job compiles without the cache; never an error."""
+    cannot be written: then a warning (once per process; :func:`default_cache_problem` says it again for the rank-0
+    log) and the job compiles without the cache; never an error."""
     env = os.environ.get(CACHE_ENV)
     if env is not None and env.strip().lower() in CACHE_OFF:
         return None
@@ -231,16 +232,23 @@ def default_cache_folder() -> Path | None:
         _probe(folder)
     except OSError as err:
         if str(folder) not in _warned:
-            _warned.add(str(folder))
+            _warned[str(folder)] = (
+                f"the default compile cache {folder} cannot be written ({err.strerror or err}); compiling without"
+                f" it. Set {CACHE_ENV} to a writable folder, or {CACHE_ENV}=off to silence this."
+            )
             import warnings
 
-            warnings.warn(
-                f"sgdtp: the default compile cache {folder} cannot be written ({err.strerror or err}); compiling"
-                f" without it. Set {CACHE_ENV} to a writable folder, or {CACHE_ENV}=off to silence this.",
-                stacklevel=2,
-            )
+            warnings.warn(f"sgdtp: {_warned[str(folder)]}", stacklevel=2)
         return None
+    _warned.pop(str(folder), None)
     return folder
+
+
+def default_cache_problem() -> str | None:
+    """Why the default compile cache is not used although it is on (its folder cannot be written), or None."""
+    env = os.environ.get(CACHE_ENV)
+    folder = Path(env) if env else platform_cache_root() / "lightning_sgdtp" / "compile"
+    return _warned.get(str(folder))
 
 
 def _probe(folder: Path) -> None:

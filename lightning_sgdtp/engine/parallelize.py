@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_sgdtp.compiler.artifacts import default_cache_problem
 from lightning_sgdtp.compiler.regions import Regions, mark_regions
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.engine.step_compile import compile_step
@@ -243,6 +244,8 @@ def plan_part(
             notes = (Regions().describe(),)  # no block stack
     elif part == "pipelined model" and config.regional_compile:
         notes = (REGIONAL_STAGES,)
+    if whole and config.compile_cache == "auto" and cache is None and default_cache_problem():
+        notes += (f"compile cache: {default_cache_problem()}",)
     if skipped is not None and sharding is not None and not stage:
         notes += ("NEGATIVE CONTROL: the sharded parameters' gradients are NOT reduce-scattered",)
     return PartPlan(

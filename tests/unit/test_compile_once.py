@@ -47,6 +47,7 @@ def test_the_default_cache_folder_its_switch_and_an_unwritable_one(
     with pytest.warns(UserWarning, match="cannot be written.*compiling without it"):
         assert default_cache_folder() is None
     assert default_cache_folder() is None  # warned once
+    assert "cannot be written" in artifacts.default_cache_problem()  # and said again on rank 0 (the plan's note)
     assert compile_cache_row(compile_cache_facts()).verdict == "ok"  # doctor: never a failure
 
 
