@@ -229,8 +229,9 @@ class SGDTPConfig:
             )
         if self.compile_cache not in (None, False) and not isinstance(self.compile_cache, (str, Path)):
             raise SGDTPConfigError(f"compile_cache={self.compile_cache!r}: use 'auto', a folder path or False (off).")
-        if isinstance(self.compile_cache_max_gb, bool) or not (isinstance(self.compile_cache_max_gb, (int, float))):
-            raise SGDTPConfigError(f"compile_cache_max_gb={self.compile_cache_max_gb!r} must be a number, e.g. 10.")
+        bound = self.compile_cache_max_gb
+        if isinstance(bound, bool) or not (isinstance(bound, (int, float)) and bound > 0):
+            raise SGDTPConfigError(f"compile_cache_max_gb={bound!r} must be a positive number of GiB, e.g. 10.")
         key = self.signing_key
         if key is not None and not (key.startswith("gpg:") and len(key) > 4) and not Path(key).is_file():
             raise SGDTPConfigError(
