@@ -36,12 +36,13 @@ FILE_SECONDS = {
     "test_data_parallel.py": 282,
     "test_faults.py": 178,
     "test_slurm.py": 135,
-    "test_compile_cache.py": 123,
+    "test_compile_cache.py": 180,
     "test_tensor_parallel.py": 111,
     "test_fabric.py": 110,
     "test_no_hang.py": 110,
     "test_killed_compile.py": 87,
     "test_cli.py": 66,
+    "test_regions.py": 60,
     "test_offline_install.py": 59,
 }
 

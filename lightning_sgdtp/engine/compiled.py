@@ -117,16 +117,17 @@ class CompiledStep(StepEngine):
         module, config = self.module, self.config
         names = {id(p): n for n, p in module.named_parameters()}
         settings = CompileSettings(in_graph_sync=plan.in_graph_sync, prove_shards=plan.prove_shards)
-        lock = None
+        lock, warm = None, False
         if plan.compile_cache is not None:  # first: Inductor's folder (and the recorded cost model) move into it
             cache = self._setup_compile_cache(Path(plan.compile_cache), accumulate == 1)
             settings = dataclasses.replace(settings, aot_cache=True)
-            lock = cache.lock
+            lock, warm = cache.lock, cache.warm
         elif plan.lock_compiles == "node":
             lock = CompileLock(Path(cache_dir()) / "sgdtp-compile.lock", config.collective_timeout / 4)
-        if plan.lock_compiles == "node":
+        if plan.lock_compiles == "node" and not warm:
             # Every rank compiles the same graphs: the first on a node compiles, the others wait for it (at most
             # collective_timeout/4, then compile beside it) and load side by side (compiler/artifacts.CompileLock).
+            # A warm bundle holds the graphs already: every rank loads them at once, nobody waits.
             settings = dataclasses.replace(settings, compile_lock=lock)
         if plan.measure_link:
             settings = dataclasses.replace(settings, cost=self._cost_model())
