@@ -167,8 +167,7 @@ class CompileCache:
             for src in self.bundle.rglob("*"):
                 rel = src.relative_to(self.bundle)
                 if src.is_file() and not src.name.startswith("SGDTP-"):
-                    (self.local_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(src, self.local_dir / rel)
+                    _place(src, self.local_dir / rel)
             (self.local_dir / LOADED).write_text(self.key)
             self.warm = True
             with contextlib.suppress(OSError):
@@ -229,6 +228,23 @@ class CompileCache:
             if evicted
             else ""
         )
+
+
+def _place(src: Path, dest: Path) -> None:
+    """Copy ``src`` to ``dest`` under a temporary name, then rename it into place: a new file, never the old one
+    rewritten. A compiled library another job (or an earlier fit of this process) has loaded from ``dest`` stays
+    mapped, whole (copying over it in place crashed that process with SIGSEGV). A ``dest`` of the same size and
+    time is left as it is."""
+    try:
+        there, here = dest.stat(), src.stat()
+        if there.st_size == here.st_size and int(there.st_mtime) == int(here.st_mtime):
+            return
+    except OSError:
+        pass
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = dest.with_name(f".{dest.name}.loading-{os.getpid()}")
+    shutil.copy2(src, staging)
+    os.replace(staging, dest)
 
 
 def bundles(root: Path) -> list[Path]:
