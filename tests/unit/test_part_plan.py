@@ -98,6 +98,10 @@ def test_the_plan_is_pure_data_and_leaves_the_module_alone() -> None:
     assert "embed" not in plan.tensor_plan.styles and "embed" in plan.tensor_plan.replicated
     assert plan.tensor_plan.styles["blocks.0.up"] == "colwise" and plan.clip == "mesh" and plan.implicit_replication
     assert plan.to_dict()["sharding"] == "full" and plan.lock_compiles is None  # each rank its own row of groups
+    # DTensor parameters: regional compile is off (torch 2.13 has no rule for them in a region), and says why
+    assert plan.regions == () and any("off with tensor parallel or sharding" in n for n in plan.notes)
+    for mesh in (SGDTPConfig(parallelism="tensor"), SGDTPConfig(sharding="full")):
+        assert plan_part(mesh, dims(mesh), Net()).regions == ()
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
@@ -153,6 +157,7 @@ def test_a_pipeline_shards_the_whole_module_and_parallelizes_each_stage() -> Non
     assert (stage.checkpoint, stage.compile) == (("blocks.0", "blocks.1"), "forward")
     one_pipeline = SGDTPConfig(pipeline_stages=2)
     assert not plan_part(one_pipeline, dims(one_pipeline), Net(), part="stage").in_graph_sync  # no replicas
+    assert stage.regions == () and any("not for pipeline stages" in n for n in whole.notes)  # a traced stage
 
 
 def test_what_is_applied_already_is_not_planned_again() -> None:
