@@ -111,12 +111,11 @@ def probe() -> dict[str, Any]:
 
 def compile_cache_facts() -> dict[str, Any]:
     """The default compile cache (``compile_cache="auto"``): its folder, bundles and bytes; or why there is none."""
-    from lightning_sgdtp.compiler.artifacts import CACHE_ENV, default_cache_folder
+    from lightning_sgdtp.compiler.artifacts import CACHE_ENV, default_cache_folder, default_cache_problem
 
-    env = os.environ.get(CACHE_ENV)
     folder = default_cache_folder()
     if folder is None:
-        return {"folder": None, "why": f"{CACHE_ENV}={env}" if env is not None else "not writable"}
+        return {"folder": None, "why": default_cache_problem() or f"{CACHE_ENV}={os.environ.get(CACHE_ENV)}"}
     bundles = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     return {"folder": str(folder), "bundles": len(bundles), "bytes": size}

@@ -224,10 +224,9 @@ def default_cache_folder() -> Path | None:
     ``off``), else ``lightning_sgdtp/compile`` in :func:`platform_cache_root`. None when it is off, or when the folder
     cannot be written: then a warning (once per process; :func:`default_cache_problem` says it again for the rank-0
     log) and the job compiles without the cache; never an error."""
-    env = os.environ.get(CACHE_ENV)
-    if env is not None and env.strip().lower() in CACHE_OFF:
+    folder = _default_folder()
+    if folder is None:
         return None
-    folder = Path(env) if env else platform_cache_root() / "lightning_sgdtp" / "compile"
     try:
         _probe(folder)
     except OSError as err:
@@ -246,9 +245,17 @@ def default_cache_folder() -> Path | None:
 
 def default_cache_problem() -> str | None:
     """Why the default compile cache is not used although it is on (its folder cannot be written), or None."""
+    folder = _default_folder()
+    return _warned.get(str(folder)) if folder is not None else None
+
+
+def _default_folder() -> Path | None:
+    """Where the default compile cache is (not checked): ``$SGDTP_COMPILE_CACHE``, or the platform's cache directory;
+    None when the variable turns it off."""
     env = os.environ.get(CACHE_ENV)
-    folder = Path(env) if env else platform_cache_root() / "lightning_sgdtp" / "compile"
-    return _warned.get(str(folder))
+    if env is not None and env.strip().lower() in CACHE_OFF:
+        return None
+    return Path(env) if env else platform_cache_root() / "lightning_sgdtp" / "compile"
 
 
 def _probe(folder: Path) -> None:

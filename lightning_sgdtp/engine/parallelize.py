@@ -18,8 +18,8 @@ order (torchtitan's ``parallelize_llama``):
    the compiled region (the in-graph buckets are planned over the whole backward);
 5. **compile** through the ``"sgdtp"`` backend(s): last, with backends made for the part as it now is (its
    parameters' names and DTensors). With ``regional_compile`` each block of the block stack is first marked as a
-   nested compile region (:mod:`~lightning_sgdtp.compiler.regions`): after checkpointing, so that a checkpointed
-   block is one region, recomputation included; the step is still one graph for the backend. A stage's ``forward`` is compiled in place; the LightningModule's
+   nested compile region (:mod:`~lightning_sgdtp.compiler.regions`; plain parameters without checkpointing only);
+   the step is still one graph for the backend. A stage's ``forward`` is compiled in place; the LightningModule's
    ``training_step`` is wrapped (:func:`~lightning_sgdtp.engine.step_compile.compile_step`), once per backend.
 
 What a plan asks for and the module already has (fit, then validate, or a second fit) is skipped: the plan is
