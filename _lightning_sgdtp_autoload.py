@@ -48,7 +48,7 @@ def _warn(message):
 def _make_factory(namespace):
     def sgdtp_lazy_factory(**kwargs):
         # Imported only now, when the Trainer resolves strategy="sgdtp".
-        from lightning_sgdtp._registration import get_strategy_class, register_namespace
+        from lightning_sgdtp.frontends.registration import get_strategy_class, register_namespace
 
         register_namespace(namespace)  # replaces this factory with the real class (idempotent)
         return get_strategy_class(namespace)(**kwargs)

@@ -184,13 +184,13 @@ def _worker(
             if not self.sync:
                 _switch_off_grad_sync(trainer.strategy)
             if variant in DDP_OPTIMIZER:
-                from lightning_sgdtp.optim import compile_update, use_fused
+                from lightning_sgdtp.engine.optim import compile_update, use_fused
 
                 for opt in trainer.optimizers:
                     (compile_update if DDP_OPTIMIZER[variant] == "compiled" else use_fused)(opt)
 
         def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-            from lightning_sgdtp.timeline import STEP_LABEL, label
+            from lightning_sgdtp.observe.timeline import STEP_LABEL, label
 
             if self.profile_to is not None and len(self.batch) == warmup:
                 self._prof = torch.profiler.profile(
@@ -224,7 +224,7 @@ def _worker(
             table = self._prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
             (self.profile_to / f"{stem}.txt").write_text(f"{len(self.batch) - warmup} steps\n{table}")
             self._prof.export_chrome_trace(str(self.profile_to / f"{stem}.trace.json"))
-            from lightning_sgdtp.timeline import breakdown
+            from lightning_sgdtp.observe.timeline import breakdown
 
             trace = json.loads((self.profile_to / f"{stem}.trace.json").read_text())["traceEvents"]
             self.breakdown = [s["summary"] for s in breakdown(trace)]
@@ -244,7 +244,7 @@ def _worker(
         if kind == "ddp":
             from lightning.pytorch.strategies import DDPStrategy
 
-            from lightning_sgdtp.timeline import CLOSURE_LABEL, OPTIMIZER_LABEL, label, labelled
+            from lightning_sgdtp.observe.timeline import CLOSURE_LABEL, OPTIMIZER_LABEL, label, labelled
 
             class LabelledDDP(DDPStrategy):
                 """Lightning's DDP with the spans sgdtp's timeline reads (no other change): the breakdown of a
@@ -311,7 +311,7 @@ def _sgdtp_without_sync(strategy: Any) -> None:
     all-reduce) made a no-op: the same compiled step, and its graph walk, without communication."""
     import dataclasses
 
-    from lightning_sgdtp.ledger import Agreement, BackwardRecord
+    from lightning_sgdtp.sync.ledger import Agreement, BackwardRecord
 
     # The compiler's settings are fixed when the engine makes it: a benchmark-only replacement of the frozen value.
     compiler = strategy.engine.compiler
@@ -357,7 +357,7 @@ def _fabric_worker(variant: str, out: Path, steps: int, warmup: int, phase: str)
         net = torch.compile(net)  # Fabric moves the compile outside its DDP wrapper
     model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
     if DDP_OPTIMIZER.get(variant) == "fused":
-        from lightning_sgdtp.optim import use_fused
+        from lightning_sgdtp.engine.optim import use_fused
 
         use_fused(optimizer.optimizer)
     if not sync and kind == "sgdtp":

@@ -126,9 +126,9 @@ def worker(rank: int, world: int, port: int, schedule: str, args: argparse.Names
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from lightning_sgdtp.compiler.backend import CompileSettings, SGDTPCompiler
-    from lightning_sgdtp.parallel.pipeline import PipelineRunner
-    from lightning_sgdtp.parallel.pipeline_split import plan_pipeline_split
-    from lightning_sgdtp.parallel.schedules import stages_per_rank
+    from lightning_sgdtp.parallel.pipeline.runner import PipelineRunner
+    from lightning_sgdtp.parallel.pipeline.schedules import stages_per_rank
+    from lightning_sgdtp.parallel.pipeline.split import plan_pipeline_split
 
     module = build_module(args)
     stages = world * stages_per_rank(schedule, None)

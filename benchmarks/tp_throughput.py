@@ -98,7 +98,7 @@ def _worker(args: argparse.Namespace) -> None:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
             # Borrowed from lightning_sgdtp: torch 2.13 has no DTensor sharding rule for CPU flash attention.
-            from lightning_sgdtp.parallel import dtensor_ops
+            from lightning_sgdtp.parallel.tensor import dtensor_ops
 
             dtensor_ops.register()
             if getattr(self, "_parallelized", False):

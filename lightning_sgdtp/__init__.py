@@ -8,14 +8,14 @@ TorchDynamo as a ``torch.compile`` backend.
 
 # `diagnose` is the package lightning_sgdtp.diagnose, callable: lightning_sgdtp.diagnose(...) runs diagnose.diagnose(...)
 from lightning_sgdtp import diagnose, graph
-from lightning_sgdtp._registration import register_strategies
 from lightning_sgdtp.compiler.backend import SGDTPCompiler, register_backend, sgdtp_backend
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfig, SGDTPConfigError
-from lightning_sgdtp.fabric_strategy import SGDTPFabricStrategy
-from lightning_sgdtp.faults import RankLostError
-from lightning_sgdtp.preemption import Preempted
-from lightning_sgdtp.rendezvous import RendezvousError
-from lightning_sgdtp.strategy import SGDTPStrategy
+from lightning_sgdtp.frontends.fabric import SGDTPFabricStrategy
+from lightning_sgdtp.frontends.registration import register_strategies
+from lightning_sgdtp.frontends.trainer import SGDTPStrategy
+from lightning_sgdtp.runtime.faults import RankLostError
+from lightning_sgdtp.runtime.preemption import Preempted
+from lightning_sgdtp.runtime.rendezvous import RendezvousError
 
 __version__ = "0.1.0"
 __all__ = [

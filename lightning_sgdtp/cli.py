@@ -57,9 +57,9 @@ def _plan_hardware(args: argparse.Namespace) -> tuple[Any, int]:
     """The hardware of ``sgdtp plan`` (``--hardware``, ``--gpu-memory``, ``--topology``) and devices per node."""
     import dataclasses
 
+    from lightning_sgdtp.mesh.topology import Topology, TopologyError
     from lightning_sgdtp.planner.cost import HARDWARE, PCIE
     from lightning_sgdtp.planner.search import PlannerInputError, parse_memory
-    from lightning_sgdtp.topology import Topology, TopologyError
 
     hardware = HARDWARE[args.hardware]
     if args.gpu_memory is not None:
@@ -293,7 +293,7 @@ def _verified(folder: Path, trusted: Path | None) -> bool:
 
 def _consolidate(args: argparse.Namespace) -> int:
     """merge a sharded checkpoint folder (tensor/hybrid parallel) into one file that plain torch.load reads"""
-    from lightning_sgdtp.sharded_checkpoint import consolidate
+    from lightning_sgdtp.checkpoint.sharded import consolidate
 
     if not args.no_verify and not _verified(args.dir, args.keyring):  # consolidate unpickles meta.pt: check first
         return 1
@@ -307,7 +307,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from lightning_sgdtp import doctor
+    from lightning_sgdtp.observe import doctor
 
     env = json.loads(args.env.read_text()) if args.env else doctor.probe()
     if args.save:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_sgdtp.parallel.schedules import SCHEDULES, check_chunks, default_micro_batches, pipeline_stages
+from lightning_sgdtp.parallel.pipeline.schedules import SCHEDULES, check_chunks, default_micro_batches, pipeline_stages
 
 PARALLELISMS = ("data", "tensor", "hybrid", "auto")
 TP_STYLES = ("colwise", "rowwise", "colwise_gather", "replicate")
@@ -190,7 +190,7 @@ class SGDTPConfig:
                 " gradient's own dtype) or 'bf16' (half the bytes, lossy)."
             )
         self._check_sharding()
-        from lightning_sgdtp.optim import UPDATES
+        from lightning_sgdtp.engine.optim import UPDATES
 
         if self.optimizer_update not in UPDATES:
             raise SGDTPConfigError(

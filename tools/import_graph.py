@@ -100,7 +100,9 @@ def figures(package: Path = PACKAGE) -> dict[str, object]:
         "layers": max(lay.values()),
         "cycles": len(cycles(g)),
         "root_modules": len(root),
-        "root_lines_share": round(sum(sizes[m] for m, p in known.items() if p.parent == package) / sum(sizes.values()), 3),
+        "root_lines_share": round(
+            sum(sizes[m] for m, p in known.items() if p.parent == package) / sum(sizes.values()), 3
+        ),
         "largest_module": f"{biggest} ({sizes[biggest]} lines)",
         "lines": sum(sizes.values()),
     }

@@ -294,8 +294,8 @@ def _raised(trigger: Callable[[], object]) -> Refused | None:
     """The strategy's own refusal (its error classes) raised by ``trigger``; None when it raises nothing. Any other
     error propagates: a crash is no refusal."""
     from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfigError
-    from lightning_sgdtp.parallel.pipeline import PipelineContractError
-    from lightning_sgdtp.parallel.tensor import TensorPlanError
+    from lightning_sgdtp.parallel.pipeline.runner import PipelineContractError
+    from lightning_sgdtp.parallel.tensor.plan import TensorPlanError
 
     try:
         trigger()
@@ -332,7 +332,7 @@ def _engine(mode: Mode) -> type:
     dims, resolved here as ``_configure_launcher`` resolves them before any process starts)."""
     from lightning_sgdtp.engine.compiled import CompiledStep
     from lightning_sgdtp.engine.pipelined import PipelinedStep
-    from lightning_sgdtp.layout import ParallelDims
+    from lightning_sgdtp.mesh.dims import ParallelDims
 
     dims = ParallelDims.resolve(_strategy(mode).config, mode.devices, mode.devices)
     return PipelinedStep if dims.pp_enabled else CompiledStep
@@ -360,7 +360,7 @@ def _manual_module() -> Any:
 def _pipeline_contract(mode: Mode) -> Refused | None:
     """The LightningModule contract the pipelined engine checks at setup, on a manual-optimization module."""
     from lightning_sgdtp.engine.pipelined import PipelinedStep
-    from lightning_sgdtp.parallel.pipeline import check_pipeline_contract
+    from lightning_sgdtp.parallel.pipeline.runner import check_pipeline_contract
 
     if _engine(mode) is not PipelinedStep:
         return None

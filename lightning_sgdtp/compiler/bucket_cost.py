@@ -115,7 +115,7 @@ def measure_once(
     first rank reads ``folder/KEY.json`` and broadcasts it (every rank plans from the same figures); without one,
     the group measures and the first rank records it, atomically. Returns the model and the file it came from
     (None: measured now). Delete the file, or change the cache folder, to measure again."""
-    from lightning_sgdtp._fs import write_atomically
+    from lightning_sgdtp.trust.durable import write_atomically
 
     path = folder / f"{key}.json"
     first = dist.get_rank(group) == 0

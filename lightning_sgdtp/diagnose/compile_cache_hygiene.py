@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from lightning_sgdtp._fs import write_atomically
 from lightning_sgdtp.diagnose.context import DiagnoseContext
 from lightning_sgdtp.diagnose.report import CheckResult, Finding
+from lightning_sgdtp.trust.durable import write_atomically
 
 CACHE_MARKER = ".lightning_sgdtp_cache.json"
 _MAX_CACHE_ENTRIES = 50_000

@@ -22,14 +22,14 @@ from torch import Tensor, nn
 
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
 from lightning_sgdtp.config import SGDTPConfig
+from lightning_sgdtp.engine.optim import OptimizerUpdates
 from lightning_sgdtp.engine.parallelize import PartPlan
-from lightning_sgdtp.faults import FaultGuard
-from lightning_sgdtp.grad_sync import GradSync
-from lightning_sgdtp.layout import ParallelDims
-from lightning_sgdtp.optim import OptimizerUpdates
-from lightning_sgdtp.preemption import PreemptionCoordinator
-from lightning_sgdtp.report import PlanReport
-from lightning_sgdtp.timeline import Timeline, label
+from lightning_sgdtp.mesh.dims import ParallelDims
+from lightning_sgdtp.observe.report import PlanReport
+from lightning_sgdtp.observe.timeline import Timeline, label
+from lightning_sgdtp.runtime.faults import FaultGuard
+from lightning_sgdtp.runtime.preemption import PreemptionCoordinator
+from lightning_sgdtp.sync.grad_sync import GradSync
 
 #: Bucket size of the eager parameter/buffer broadcasts (as DDP's).
 BROADCAST_BUCKET_BYTES = 250 * 2**20

@@ -5,7 +5,7 @@ At setup (:meth:`CompiledStep.setup`), once per trainer function: the module's :
 :func:`~lightning_sgdtp.engine.parallelize.parallelize` (tensor parallel, sharding, activation checkpointing when
 fitting, then ``training_step`` compiled with the ``"sgdtp"`` backends made for the module as it then is: one, and
 with gradient accumulation a second without collectives); bookkeeping (``self.log``, torchmetrics'
-``Metric.forward``) set to run eagerly; the :class:`~lightning_sgdtp.grad_sync.GradSync` that completes the
+``Metric.forward``) set to run eagerly; the :class:`~lightning_sgdtp.sync.grad_sync.GradSync` that completes the
 backends; the compile cache, when asked for.
 
 Each step then calls the compiled ``training_step``: Dynamo captures it, the backend puts the bucketed gradient
@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-from lightning_sgdtp import compile_cache
 from lightning_sgdtp.compiler import bucket_cost
+from lightning_sgdtp.compiler import cache as compile_cache
 from lightning_sgdtp.compiler.artifacts import CompileLock, cost_model_folder
 from lightning_sgdtp.compiler.backend import CompileSettings, SGDTPCompiler
 from lightning_sgdtp.compiler.bucket_cost import CostModel
@@ -33,10 +33,10 @@ from lightning_sgdtp.compiler.regions import unmark_regions
 from lightning_sgdtp.engine.base import Clip, EngineInputs, StepEngine, broadcast_buffers
 from lightning_sgdtp.engine.parallelize import PartPlan, parallelize, plan_part, sync_line
 from lightning_sgdtp.engine.step_compile import compile_step, restore_bookkeeping, run_bookkeeping_eagerly
-from lightning_sgdtp.grad_sync import GradSync
+from lightning_sgdtp.observe.timeline import label
 from lightning_sgdtp.parallel.clipping import clip_grad_norm_
-from lightning_sgdtp.parallel.tensor import TensorPlan
-from lightning_sgdtp.timeline import label
+from lightning_sgdtp.parallel.tensor.plan import TensorPlan
+from lightning_sgdtp.sync.grad_sync import GradSync
 
 
 def batch_shapes(args: tuple, kwargs: dict) -> tuple[tuple[int, ...], ...]:

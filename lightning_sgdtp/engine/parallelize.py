@@ -2,7 +2,7 @@
 
 A "part" is what one compiled program runs: the whole LightningModule (the compiled engine) or one pipeline stage
 (the pipelined engine splits first, then parallelizes each stage). :func:`plan_part` is pure (it reads the options,
-the :class:`~lightning_sgdtp.layout.ParallelDims` and the module's structure, and changes nothing): its
+the :class:`~lightning_sgdtp.mesh.dims.ParallelDims` and the module's structure, and changes nothing): its
 :class:`PartPlan` is plain data, logged and tested on its own. :func:`parallelize` applies a plan in one fixed
 order (torchtitan's ``parallelize_llama``):
 
@@ -42,8 +42,9 @@ from lightning_sgdtp.compiler.artifacts import default_cache_problem
 from lightning_sgdtp.compiler.regions import Regions, mark_regions
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.engine.step_compile import compile_step
-from lightning_sgdtp.layout import ParallelDims
+from lightning_sgdtp.mesh.dims import ParallelDims
 from lightning_sgdtp.parallel.checkpointing import block_names, checkpoint_blocks, find_block_stack
+from lightning_sgdtp.parallel.pipeline.stage_tensor import hook_stage, hooks_set_aside, recording_hooks
 from lightning_sgdtp.parallel.sharding import (
     ShardPlan,
     is_sharded,
@@ -52,8 +53,7 @@ from lightning_sgdtp.parallel.sharding import (
     share_reads,
     whole_for_tracing,
 )
-from lightning_sgdtp.parallel.stage_tensor import hook_stage, hooks_set_aside, recording_hooks
-from lightning_sgdtp.parallel.tensor import (
+from lightning_sgdtp.parallel.tensor.plan import (
     TensorPlan,
     TensorPlanError,
     apply_tensor_parallel,

@@ -1,12 +1,12 @@
 """The pipelined engine: split the LightningModule into stages, parallelize each stage the way the compiled engine
 parallelizes the whole module (:func:`~lightning_sgdtp.engine.parallelize.parallelize`: its sharded reads,
 activation checkpointing, then compile through the ``"sgdtp"`` backend over the stage's data-parallel group), and
-run them under a schedule of ``torch.distributed.pipelining`` (:class:`~lightning_sgdtp.parallel.pipeline.PipelineRunner`).
+run them under a schedule of ``torch.distributed.pipelining`` (:class:`~lightning_sgdtp.parallel.pipeline.runner.PipelineRunner`).
 
 Setup, in order: the LightningModule contract checked; the split planned (plain data, logged); with sharding, the
 whole module sharded over each stage's replicas (its part plan: the optimizer Lightning makes next steps those
 shards, and the stages are traced from it only at the first step); the backend and its
-:class:`~lightning_sgdtp.grad_sync.GradSync` over the stage's data-parallel group; the runner, which traces and
+:class:`~lightning_sgdtp.sync.grad_sync.GradSync` over the stage's data-parallel group; the runner, which traces and
 parallelizes the stages at the first step (and again for each new micro-batch shape).
 
 One training step: Lightning's ``zero_grad`` (deferred here: the schedule runs backward inside
@@ -31,11 +31,11 @@ from lightning_sgdtp.compiler.backend import CompileSettings, SGDTPCompiler
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfigError
 from lightning_sgdtp.engine.base import EngineInputs, StepEngine, broadcast_buffers
 from lightning_sgdtp.engine.parallelize import parallelize, plan_part, sync_line, tracing
-from lightning_sgdtp.grad_sync import GradSync
 from lightning_sgdtp.parallel.clipping import clip_pipeline_grad_norm_
-from lightning_sgdtp.parallel.pipeline import PipelineRunner, check_pipeline_contract, replay_logs
-from lightning_sgdtp.parallel.pipeline_split import PipelineSplit, PipelineSplitError, plan_pipeline_split
-from lightning_sgdtp.parallel.stage_tensor import match_gradient_layouts
+from lightning_sgdtp.parallel.pipeline.runner import PipelineRunner, check_pipeline_contract, replay_logs
+from lightning_sgdtp.parallel.pipeline.split import PipelineSplit, PipelineSplitError, plan_pipeline_split
+from lightning_sgdtp.parallel.pipeline.stage_tensor import match_gradient_layouts
+from lightning_sgdtp.sync.grad_sync import GradSync
 
 
 class PipelinedStep(StepEngine):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sgdtp.parallel.sharding import is_split
-from lightning_sgdtp.parallel.tensor import local_shard
+from lightning_sgdtp.parallel.tensor.plan import local_shard
 
 
 def global_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:

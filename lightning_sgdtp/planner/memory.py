@@ -4,10 +4,10 @@ Pure: reads names, shapes and dtypes (the module may be on the meta device), sta
 A layout is plain data (:class:`Layout`: dp x tp x pp and the sharding); the prediction composes the decisions the
 strategy itself makes for that layout, so that what it predicts is what the strategy would do:
 
-- **pipeline stages** (``pp > 1``): :func:`~lightning_sgdtp.parallel.pipeline_split.plan_pipeline_split`'s split,
+- **pipeline stages** (``pp > 1``): :func:`~lightning_sgdtp.parallel.pipeline.split.plan_pipeline_split`'s split,
   a parameter held by every stage that uses it (a tied embedding and head on two stages), as a pipeline rank holds
   them after the other stages are released (``parallel/stage_memory.py``);
-- **tensor parallel** (``tp > 1``): :func:`~lightning_sgdtp.parallel.tensor.auto_plan`'s styles, a parameter of a
+- **tensor parallel** (``tp > 1``): :func:`~lightning_sgdtp.parallel.tensor.plan.auto_plan`'s styles, a parameter of a
   split module held 1/tp, the others whole (what the plan leaves replicated; with sharding, embeddings too);
 - **sharding** (``"full"`` / ``"optimizer"``): every parameter split over dp along
   :func:`~lightning_sgdtp.parallel.sharding.shard_dim` (whole where no dimension divides), as its gradient and its
@@ -107,7 +107,7 @@ def _tp_split(module: nn.Module, layout: Layout) -> set[int]:
     if layout.tp == 1:
         return set()
     from lightning_sgdtp.parallel.sharding import keep_embeddings_whole
-    from lightning_sgdtp.parallel.tensor import SPLIT_STYLES, auto_plan
+    from lightning_sgdtp.parallel.tensor.plan import SPLIT_STYLES, auto_plan
 
     plan = auto_plan(module, layout.tp)
     if layout.sharding != "none":
@@ -125,7 +125,7 @@ def _stages(module: nn.Module, pp: int) -> list[dict[int, nn.Parameter]]:
     """The parameters each pipeline stage holds (one stage, everything, without a pipeline)."""
     if pp == 1:
         return [{id(p): p for p in module.parameters()}]
-    from lightning_sgdtp.parallel.pipeline_split import plan_pipeline_split, stage_parameters
+    from lightning_sgdtp.parallel.pipeline.split import plan_pipeline_split, stage_parameters
 
     return stage_parameters(module, plan_pipeline_split(module, pp))
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_sgdtp.parallel.schedules import SCHEDULES, check_chunks
+from lightning_sgdtp.parallel.pipeline.schedules import SCHEDULES, check_chunks
 from lightning_sgdtp.planner.cost import (
     Hardware,
     ModelProfile,

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from lightning_sgdtp._fs import write_atomically
+from lightning_sgdtp.trust.durable import write_atomically
 
 MANIFEST = "SGDTP-MANIFEST.json"
 FORMAT = "sgdtp-manifest/1"

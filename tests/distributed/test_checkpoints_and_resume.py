@@ -198,7 +198,7 @@ SLOW_STAGE = {"resume_pp_to_pp", "resume_pp_sharded_to_dp4", "resume_pp_tp_to_dp
 def test_checkpoint_per_stage_resume_and_consolidate(case: str, tmp_path: Path) -> None:
     """3 steps, a sharded checkpoint (each rank its stage), resumed in a fresh module (another split, or no
     pipeline), 3 more steps: as 6 uninterrupted steps of one process. The folder consolidates to one file."""
-    from lightning_sgdtp import sharded_checkpoint as sharded
+    from lightning_sgdtp.checkpoint import sharded
 
     devices = DEVICES.get(case, 2)
     run_scenario("pp_parity.py", {"devices": devices, "phases": PER_STAGE[case], "trainer": {}}, tmp_path)

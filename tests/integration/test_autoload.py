@@ -66,7 +66,7 @@ def test_lightning_pytorch_trainer_resolves_sgdtp_lazily(tmp_path):
             "imported": sorted(m for m in sys.modules if m.startswith("lightning_sgdtp")),
         }
         trainer = L.Trainer(strategy="sgdtp", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
-        from lightning_sgdtp.strategy import SGDTPStrategy
+        from lightning_sgdtp.frontends.trainer import SGDTPStrategy
         print("RESULT " + json.dumps({
             "before": before,
             "cls": type(trainer.strategy).__name__,
@@ -100,7 +100,7 @@ def test_fabric_resolves_sgdtp_lazily_in_both_namespaces(tmp_path):
             "imported": sorted(m for m in sys.modules if m.startswith("lightning_sgdtp")),
         }
         fabric = Fabric(strategy="sgdtp", accelerator="cpu", devices=2)
-        from lightning_sgdtp.fabric_strategy import SGDTPFabricStrategy
+        from lightning_sgdtp.frontends.fabric import SGDTPFabricStrategy
         import lightning_fabric
         twin_fabric = lightning_fabric.Fabric(strategy="sgdtp", accelerator="cpu", devices=2)
         twin = type(twin_fabric.strategy)
@@ -136,8 +136,8 @@ def test_pytorch_lightning_trainer_gets_the_twin(tmp_path):
         trainer = pl.Trainer(strategy="sgdtp", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
         cls = type(trainer.strategy)
         twin = sys.modules["lightning_sgdtp._pl_strategy"]
-        import lightning_sgdtp.strategy as src
-        from lightning_sgdtp._registration import get_pl_twin
+        import lightning_sgdtp.frontends.trainer as src
+        from lightning_sgdtp.frontends.registration import get_pl_twin
 
         code = twin.__spec__.loader.get_code(twin.__name__)
         print("RESULT " + json.dumps({
@@ -169,7 +169,7 @@ def test_import_lightning_sgdtp_registers_the_real_class(tmp_path):
         """
         import json, sys
         import lightning_sgdtp
-        from lightning_sgdtp.strategy import SGDTPStrategy
+        from lightning_sgdtp.frontends.trainer import SGDTPStrategy
         from lightning.pytorch.strategies import StrategyRegistry
 
         print("RESULT " + json.dumps({
@@ -182,7 +182,9 @@ def test_import_lightning_sgdtp_registers_the_real_class(tmp_path):
         SGDTP_NO_AUTOLOAD="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     )
-    assert r["registered"], "`import lightning_sgdtp` must call lightning_sgdtp._registration.register_strategies()"
+    assert r["registered"], (
+        "`import lightning_sgdtp` must call lightning_sgdtp.frontends.registration.register_strategies()"
+    )
     assert r["is_real_class"]
     assert not r["pl_imported"], "import lightning_sgdtp must not import pytorch_lightning"
 
@@ -193,7 +195,7 @@ def test_register_strategies_registers_twin_when_pytorch_lightning_already_impor
         """
         import json
         import pytorch_lightning as pl
-        from lightning_sgdtp._registration import get_pl_twin, register_strategies
+        from lightning_sgdtp.frontends.registration import get_pl_twin, register_strategies
 
         register_strategies()
         entry = dict.get(pl.strategies.StrategyRegistry, "sgdtp", {})
@@ -294,4 +296,4 @@ def test_lightning_cli_config_resolves_sgdtp(tmp_path):
         """,
         tmp_path,
     )
-    assert r == {"args": "SGDTPStrategy", "config": "SGDTPStrategy", "module": "lightning_sgdtp.strategy"}
+    assert r == {"args": "SGDTPStrategy", "config": "SGDTPStrategy", "module": "lightning_sgdtp.frontends.trainer"}

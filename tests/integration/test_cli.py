@@ -17,8 +17,8 @@ from helpers.launch import REPO, job_env
 from helpers.signing import make_artifact as _artifact
 from helpers.signing import make_gpg_keys
 
-from lightning_sgdtp import doctor
 from lightning_sgdtp.diagnose import CACHE_MARKER
+from lightning_sgdtp.observe import doctor
 
 DATA = TEST_DATA / "doctor"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_sgdtp.compile_cache import GRAPH_OPTIONS, cache_key, key_fields
+from lightning_sgdtp.compiler.cache import GRAPH_OPTIONS, cache_key, key_fields
 from lightning_sgdtp.config import SGDTPConfig
 
 

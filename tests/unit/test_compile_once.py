@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_sgdtp.compile_cache import bundles, evict
 from lightning_sgdtp.compiler import artifacts
 from lightning_sgdtp.compiler.artifacts import CACHE_ENV, default_cache_folder
+from lightning_sgdtp.compiler.cache import bundles, evict
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
-from lightning_sgdtp.doctor import compile_cache_facts, compile_cache_row
 from lightning_sgdtp.engine.compiled import batch_shapes, is_short_batch
+from lightning_sgdtp.observe.doctor import compile_cache_facts, compile_cache_row
 
 
 def test_only_the_epochs_short_batch_runs_eagerly() -> None:

@@ -16,8 +16,8 @@ import pytest
 from helpers import DATA as TEST_DATA
 from helpers import REPO
 
-from lightning_sgdtp import doctor
 from lightning_sgdtp.cli import main
+from lightning_sgdtp.observe import doctor
 
 DATA = TEST_DATA / "doctor"
 

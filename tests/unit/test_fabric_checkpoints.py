@@ -1,4 +1,4 @@
-"""Fabric's ``state`` <-> the Trainer's checkpoint layout (``lightning_sgdtp.fabric_checkpoints``), in one process:
+"""Fabric's ``state`` <-> the Trainer's checkpoint layout (``lightning_sgdtp.checkpoint.fabric_layout``), in one process:
 what goes where, and that loading puts every object back (the files and the resume across front ends:
 tests/distributed/test_fabric.py)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_sgdtp.checkpoint.fabric_layout import FABRIC_KEY, from_trainer_layout, to_trainer_layout
 from lightning_sgdtp.config import SGDTPConfigError
-from lightning_sgdtp.fabric_checkpoints import FABRIC_KEY, from_trainer_layout, to_trainer_layout
 
 
 def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_sgdtp import fabric_strategy
+from lightning_sgdtp.frontends import fabric as fabric_strategy
 
 
 def test_an_uncaught_error_is_reported_to_the_peers_then_printed(monkeypatch: pytest.MonkeyPatch) -> None:

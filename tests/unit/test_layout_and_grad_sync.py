@@ -11,12 +11,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_sgdtp import SGDTPConfig, SGDTPConfigError
-from lightning_sgdtp.comm import all_reduce_flat
 from lightning_sgdtp.compiler.backend import CompileSettings, SGDTPCompiler
 from lightning_sgdtp.engine.parallelize import DEBUG_OPTIONS_ENV, plan_part
-from lightning_sgdtp.grad_sync import GradSync
-from lightning_sgdtp.layout import ParallelLayout
-from lightning_sgdtp.topology import detect
+from lightning_sgdtp.mesh.dims import ParallelLayout
+from lightning_sgdtp.mesh.topology import detect
+from lightning_sgdtp.sync.comm import all_reduce_flat
+from lightning_sgdtp.sync.grad_sync import GradSync
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_sgdtp import SGDTPCompiler
-from lightning_sgdtp.ledger import GradLedger, Sync, walk_autograd_graph
+from lightning_sgdtp.sync.ledger import GradLedger, Sync, walk_autograd_graph
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -80,7 +80,7 @@ def test_uncovered_reports_a_gradient_the_ledger_never_saw() -> None:
 def test_collective_errors_are_told_from_the_ranks_own() -> None:
     """The fault guard turns a failed collective into a diagnosis of the peers (RankLostError); the rank's own errors
     pass through. gloo's timeout inside a compiled backward's wait_tensor has no "gloo" in its text."""
-    from lightning_sgdtp.faults import is_distributed_error
+    from lightning_sgdtp.runtime.faults import is_distributed_error
 
     assert is_distributed_error(RuntimeError("Application timeout caused pair closure"))
     assert is_distributed_error(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 5000ms"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sgdtp.optim import OptimizerUpdateError, OptimizerUpdates, choose, compile_update, use_fused
+from lightning_sgdtp.engine.optim import OptimizerUpdateError, OptimizerUpdates, choose, compile_update, use_fused
 
 CPU = torch.device("cpu")
 

@@ -13,9 +13,9 @@ from torch import nn
 from lightning_sgdtp import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.engine import parallelize as apply
 from lightning_sgdtp.engine.parallelize import DEBUG_OPTIONS_ENV, PartPlan, ShardSettings, parallelize, plan_part
-from lightning_sgdtp.layout import ParallelDims
-from lightning_sgdtp.parallel.tensor import TensorPlan
-from lightning_sgdtp.topology import detect
+from lightning_sgdtp.mesh.dims import ParallelDims
+from lightning_sgdtp.mesh.topology import detect
+from lightning_sgdtp.parallel.tensor.plan import TensorPlan
 
 
 class Block(nn.Module):

@@ -7,8 +7,8 @@ import torch
 from gpt import GPTLightningModule
 
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
-from lightning_sgdtp.layout import ParallelLayout
-from lightning_sgdtp.parallel.pipeline import (
+from lightning_sgdtp.mesh.dims import ParallelLayout
+from lightning_sgdtp.parallel.pipeline.runner import (
     LogRecorder,
     PipelineContractError,
     batch_size_of,

@@ -13,7 +13,7 @@ from gpt import GPT, GPTConfig, GPTLightningModule
 from helpers.models import BreaksModel, LlamaLike, MHALanguageModel, small_gpt
 from torch import nn
 
-from lightning_sgdtp.parallel.pipeline_split import PipelineSplit, PipelineSplitError, plan_pipeline_split
+from lightning_sgdtp.parallel.pipeline.split import PipelineSplit, PipelineSplitError, plan_pipeline_split
 
 
 def gpt(n_layer: int) -> GPT:

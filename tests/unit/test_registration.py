@@ -82,7 +82,7 @@ def test_opt_out_values(monkeypatch, value, disabled):
 
 def test_rewrite_for_pytorch_lightning():
     spec = importlib.util.spec_from_file_location(
-        "_sgdtp_registration_under_test", REPO / "lightning_sgdtp/_registration.py"
+        "_sgdtp_registration_under_test", REPO / "lightning_sgdtp/frontends/registration.py"
     )
     registration = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(registration)
@@ -122,8 +122,8 @@ def test_hook_module_imports_nothing_heavy():
 
 
 def test_registration_module_is_lightning_free():
-    """Only lightning_sgdtp/strategy.py may import Lightning (it reaches _registration through strategy.py)."""
-    tree = ast.parse((REPO / "lightning_sgdtp" / "_registration.py").read_text())
+    """Only lightning_sgdtp/frontends/trainer.py may import Lightning (it reaches _registration through strategy.py)."""
+    tree = ast.parse((REPO / "lightning_sgdtp" / "frontends" / "registration.py").read_text())
     assert not {"lightning", "pytorch_lightning", "lightning_fabric", "torch"} & _imported_top_level_names(
         ast.walk(tree)
     )

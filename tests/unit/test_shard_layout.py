@@ -75,7 +75,7 @@ def test_sharding_options_fail_at_construction_with_the_fix() -> None:
 
 
 def test_data_parallel_with_sharding_has_a_mesh_of_the_data_parallel_ranks() -> None:
-    from lightning_sgdtp.layout import ParallelLayout
+    from lightning_sgdtp.mesh.dims import ParallelLayout
 
     layout = ParallelLayout.resolve(SGDTPConfig(sharding="full"), world_size=4, devices_per_node=4)
     assert layout.grid == [[0], [1], [2], [3]] and layout.mesh_dims == ("dp", "tp") and (layout.dp, layout.tp) == (4, 1)
@@ -84,7 +84,7 @@ def test_data_parallel_with_sharding_has_a_mesh_of_the_data_parallel_ranks() -> 
 
 def test_hybrid_sharding_splits_inside_a_node_and_replicates_across_nodes() -> None:
     from lightning_sgdtp.config import NotAvailableYetError
-    from lightning_sgdtp.layout import ParallelLayout
+    from lightning_sgdtp.mesh.dims import ParallelLayout
 
     node = SGDTPConfig(sharding="full", shard_size="node")
     layout = ParallelLayout.resolve(node, world_size=8, devices_per_node=4, num_nodes=2)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sgdtp import sharded_checkpoint as sharded
+from lightning_sgdtp.checkpoint import sharded
 from lightning_sgdtp.trust import verify_dir
 
 

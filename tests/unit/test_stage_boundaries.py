@@ -1,4 +1,4 @@
-"""Stage boundaries are made contiguous (lightning_sgdtp/parallel/stage_boundaries.py): torch's pipeline frontend
+"""Stage boundaries are made contiguous (lightning_sgdtp/parallel/pipeline/boundaries.py): torch's pipeline frontend
 keeps the traced strides, and send/recv refuse non-contiguous tensors ("input tensor has to be contiguous", the
 failure of an unchanged transformers Llama under pipeline parallelism before issue 14)."""
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
-from lightning_sgdtp.parallel.stage_boundaries import _dense_sends, make_boundaries_contiguous
+from lightning_sgdtp.parallel.pipeline.boundaries import _dense_sends, make_boundaries_contiguous
 
 
 class Block(nn.Module):

@@ -1,4 +1,4 @@
-"""Values a later stage reads are carried stage to stage (lightning_sgdtp/parallel/stage_carry.py): torch's
+"""Values a later stage reads are carried stage to stage (lightning_sgdtp/parallel/pipeline/carry.py): torch's
 interleaved schedule sends between adjacent stages only, and transformers models give what they compute before
 the block stack (rotary tables, masks, positions) to every block."""
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
-from lightning_sgdtp.parallel.stage_carry import carry_stage_inputs
+from lightning_sgdtp.parallel.pipeline.carry import carry_stage_inputs
 
 
 class Block(nn.Module):

@@ -1,4 +1,4 @@
-"""A traced stage graph never names a value ``self`` (lightning_sgdtp/parallel/stage_names.py): BERT keeps its
+"""A traced stage graph never names a value ``self`` (lightning_sgdtp/parallel/pipeline/names.py): BERT keeps its
 self-attention as ``attention.self``, and FX's generated code then rebinds ``self`` ("'Tensor' object has no
 attribute 'output'", every BERT-family model's first compiled pipeline step before issue 24)."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
-from lightning_sgdtp.parallel.stage_names import rename_self_nodes
+from lightning_sgdtp.parallel.pipeline.names import rename_self_nodes
 
 
 class Attention(nn.Module):

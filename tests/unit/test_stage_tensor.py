@@ -1,4 +1,4 @@
-"""Tensor parallel inside pipeline stages (lightning_sgdtp/parallel/stage_tensor.py), without a process group: the
+"""Tensor parallel inside pipeline stages (lightning_sgdtp/parallel/pipeline/stage_tensor.py), without a process group: the
 hooks a split put on the whole module are recorded, set aside while torch.export traces it, and run by the traced
 stage's layer of the same name."""
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed import pipelining
 
-from lightning_sgdtp.parallel.stage_tensor import (
+from lightning_sgdtp.parallel.pipeline.stage_tensor import (
     has_tensor_hooks,
     hook_stage,
     hooks_set_aside,

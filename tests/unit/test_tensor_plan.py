@@ -8,9 +8,9 @@ from helpers.models import MHALanguageModel
 from torch import nn
 
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
-from lightning_sgdtp.layout import ParallelLayout
-from lightning_sgdtp.parallel.tensor import TensorPlanError, auto_plan, resolve_plan
-from lightning_sgdtp.topology import Topology
+from lightning_sgdtp.mesh.dims import ParallelLayout
+from lightning_sgdtp.mesh.topology import Topology
+from lightning_sgdtp.parallel.tensor.plan import TensorPlanError, auto_plan, resolve_plan
 
 
 class LlamaAttention(nn.Module):
@@ -125,7 +125,7 @@ def test_user_plan_errors_name_the_module_and_the_fix(patterns: dict[str, str], 
 
 
 def cpu(nodes: int, devices: int) -> Topology:
-    from lightning_sgdtp.topology import detect
+    from lightning_sgdtp.mesh.topology import detect
 
     return detect("cpu", devices, nodes)
 
@@ -242,7 +242,7 @@ def _plan_of(name: str):
     from helpers.zoo import zoo_module
 
     from lightning_sgdtp.engine.parallelize import plan_part
-    from lightning_sgdtp.topology import detect
+    from lightning_sgdtp.mesh.topology import detect
 
     config = SGDTPConfig(parallelism="tensor")
     dims = ParallelLayout.resolve(config, 2, 2, 1, detect("cpu", 2, 1))
@@ -328,7 +328,7 @@ def test_experts_that_do_not_divide_stay_replicated() -> None:
 
 
 def test_coverage_counts_a_tied_weight_once() -> None:
-    from lightning_sgdtp.parallel.tensor import TensorPlan, coverage
+    from lightning_sgdtp.parallel.tensor.plan import TensorPlan, coverage
 
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
     model[1].weight = model[0].weight  # tied: 40 floats, once

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sgdtp.timeline import (
+from lightning_sgdtp.observe.timeline import (
     CLOSURE_LABEL,
     OPTIMIZER_LABEL,
     Timeline,

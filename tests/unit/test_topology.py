@@ -1,4 +1,4 @@
-"""lightning_sgdtp.topology on recorded `nvidia-smi topo -m` output (tests/data/topology/*.txt) and fake NVML.
+"""lightning_sgdtp.mesh.topology on recorded `nvidia-smi topo -m` output (tests/data/topology/*.txt) and fake NVML.
 
 Recordings: a DGX H100 (8 x NV18 through NVSwitch, 12 NICs, driver 535+ layout with NIC Legend and GPU NUMA ID),
 a DGX-1 V100 (hybrid cube mesh: NV1/NV2, the NVLink graph is connected but not complete), an A100-PCIe box with
@@ -18,8 +18,8 @@ import types
 import pytest
 from helpers import DATA as TEST_DATA
 
-from lightning_sgdtp import topology as topo
-from lightning_sgdtp.topology import (
+from lightning_sgdtp.mesh import topology as topo
+from lightning_sgdtp.mesh.topology import (
     LINK_RANK,
     Topology,
     TopologyError,

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from helpers.training import full, params, read_scenario
 from helpers.zoo import ZOO, zoo_data
 
-from lightning_sgdtp.fabric_strategy import SGDTPFabricStrategy
+from lightning_sgdtp.frontends.fabric import SGDTPFabricStrategy
 from lightning_sgdtp.parallel.sharding import held_bytes
 
 

@@ -1,6 +1,6 @@
 """Tensor parallel inside pipeline stages: the whole module's split layers, run by the stages' traced modules.
 
-Tensor parallel (:mod:`~lightning_sgdtp.parallel.tensor`) splits a layer in two ways: its parameters become
+Tensor parallel (:mod:`~lightning_sgdtp.parallel.tensor.plan`) splits a layer in two ways: its parameters become
 DTensors over the tensor-parallel mesh, and forward hooks (torch's ``ParallelStyle`` input and output functions,
 put there by ``distribute_module``) turn the layer's inputs and outputs into the DTensors the split needs. A
 pipeline stage is a module traced by ``torch.export`` (``torch.distributed.pipelining``), not the user's layers: it

@@ -1,5 +1,5 @@
 """Fabric's ``state`` dict <-> the Trainer strategy's checkpoint layout, so that a checkpoint of either front end
-resumes under the other (the files themselves are written and read by :mod:`lightning_sgdtp.checkpoints`).
+resumes under the other (the files themselves are written and read by :mod:`lightning_sgdtp.checkpoint.hooks`).
 
 Fabric saves ``{"model": model, "optimizer": optimizer, "step": 3, ...}``; the Trainer's layout is the model's
 weights under ``"state_dict"``, the optimizers' states in order under ``"optimizer_states"`` (keyed by parameter

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_sgdtp._fs import write_atomically
 from lightning_sgdtp.compiler.buckets import Bucket, GraphBuckets
+from lightning_sgdtp.trust.durable import write_atomically
 
 # A child of Lightning's logger: shown wherever Lightning's own info lines are, silenced with them.
 log = logging.getLogger("lightning.pytorch.sgdtp")

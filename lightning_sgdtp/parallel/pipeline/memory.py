@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sgdtp.parallel.sharding import held_bytes
-from lightning_sgdtp.parallel.tensor import local_shard
+from lightning_sgdtp.parallel.tensor.plan import local_shard
 
 
 def _empty_like(p: Tensor, device: torch.device, storage: bool) -> nn.Parameter:

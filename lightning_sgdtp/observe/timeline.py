@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from lightning_sgdtp._fs import write_atomically
+from lightning_sgdtp.trust.durable import write_atomically
 
 FOLDER = "sgdtp_timeline"
 STEP_LABEL = "sgdtp: step"

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_sgdtp import rendezvous
 from lightning_sgdtp.compiler.artifacts import check_cache_folders
 from lightning_sgdtp.config import SGDTPConfig
-from lightning_sgdtp.faults import FaultGuard
-from lightning_sgdtp.layout import ParallelDims
+from lightning_sgdtp.mesh.dims import ParallelDims
 from lightning_sgdtp.planner.auto import plan_at_setup
-from lightning_sgdtp.shutdown import ShutdownWatchdog
+from lightning_sgdtp.runtime import rendezvous
+from lightning_sgdtp.runtime.faults import FaultGuard
+from lightning_sgdtp.runtime.shutdown import ShutdownWatchdog
 
 
 @dataclass(frozen=True)

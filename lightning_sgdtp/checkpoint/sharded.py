@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sgdtp._fs import fsync_path, write_atomically
+from lightning_sgdtp.trust.durable import fsync_path, write_atomically
 
 META = "meta.pt"
 MODEL_KEY = "state_dict"

@@ -4,7 +4,7 @@ Where each gradient is averaged over the data-parallel group:
 
 1. inside a compiled backward graph (the bucket pass, :mod:`lightning_sgdtp.compiler.buckets`), for the
    parameters the ``"sgdtp"`` backend lifted into its graphs (``compiler.graph_param_ids``);
-2. after backward, by the ledger's fallback (:mod:`lightning_sgdtp.ledger`), for everything else: eager regions,
+2. after backward, by the ledger's fallback (:mod:`lightning_sgdtp.sync.ledger`), for everything else: eager regions,
    gradients accumulated over micro-batches while sync was off, a pipeline stage's eager parts.
 
 The sequence, in this order:
@@ -34,8 +34,8 @@ from torch import Tensor
 
 from lightning_sgdtp.compiler.backend import SGDTPCompiler
 from lightning_sgdtp.config import SGDTPConfig
-from lightning_sgdtp.ledger import AccumulatedSync, Agreement, BackwardRecord, GradLedger, walk_autograd_graph
-from lightning_sgdtp.preemption import PreemptionCoordinator
+from lightning_sgdtp.runtime.preemption import PreemptionCoordinator
+from lightning_sgdtp.sync.ledger import AccumulatedSync, Agreement, BackwardRecord, GradLedger, walk_autograd_graph
 
 
 def plain_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:

@@ -40,30 +40,33 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sgdtp import checkpoints, comm, model_settings, processes
-from lightning_sgdtp.checkpoints import ShardedCheckpoints
+from lightning_sgdtp.checkpoint import hooks as checkpoints
+from lightning_sgdtp.checkpoint.hooks import ShardedCheckpoints
+from lightning_sgdtp.checkpoint.resume import ResumableLoader
 from lightning_sgdtp.config import (
     SGDTPConfig,
     SGDTPConfigError,
     check_process_group_backend,
     check_trainer_plugins,
 )
+from lightning_sgdtp.engine import model_settings
 from lightning_sgdtp.engine.base import EngineInputs, StepEngine
 from lightning_sgdtp.engine.compiled import CompiledStep
 from lightning_sgdtp.engine.parallelize import is_tensor_parallel, start_from_rank_0, to_device
 from lightning_sgdtp.engine.pipelined import PipelinedStep
 from lightning_sgdtp.engine.step_compile import check_not_compiled
-from lightning_sgdtp.faults import FaultGuard
-from lightning_sgdtp.front_end import FrontEnd, strategy_docs, strategy_signature
-from lightning_sgdtp.layout import ParallelDims
-from lightning_sgdtp.ledger import GradLedger
+from lightning_sgdtp.frontends.job import FrontEnd, strategy_docs, strategy_signature
+from lightning_sgdtp.mesh.dims import ParallelDims
+from lightning_sgdtp.observe.report import PlanReport
+from lightning_sgdtp.observe.timeline import CLOSURE_LABEL, OPTIMIZER_LABEL, label, labelled
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
 from lightning_sgdtp.planner.auto import given_options
-from lightning_sgdtp.preemption import Preempted, PreemptionCoordinator
-from lightning_sgdtp.report import PlanReport
-from lightning_sgdtp.resume import ResumableLoader
-from lightning_sgdtp.shutdown import ShutdownWatchdog
-from lightning_sgdtp.timeline import CLOSURE_LABEL, OPTIMIZER_LABEL, label, labelled
+from lightning_sgdtp.runtime import processes
+from lightning_sgdtp.runtime.faults import FaultGuard
+from lightning_sgdtp.runtime.preemption import Preempted, PreemptionCoordinator
+from lightning_sgdtp.runtime.shutdown import ShutdownWatchdog
+from lightning_sgdtp.sync import comm
+from lightning_sgdtp.sync.ledger import GradLedger
 
 _BROADCAST_BUCKET_BYTES = 250 * 2**20
 
@@ -71,7 +74,7 @@ _BROADCAST_BUCKET_BYTES = 250 * 2**20
 class AtomicCheckpointIO(TorchCheckpointIO):
     """One-file checkpoints written atomically and recorded in the folder's SHA256 manifest (signed with
     ``signing_key``); with ``verify``, checked against it (and ``trusted_key``) before anything is unpickled
-    (:mod:`lightning_sgdtp.checkpoints`)."""
+    (:mod:`lightning_sgdtp.checkpoint.hooks`)."""
 
     def __init__(self, verify: bool = True, trusted_key: str | None = None, signing_key: str | None = None) -> None:
         super().__init__()

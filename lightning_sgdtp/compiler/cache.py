@@ -34,11 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_sgdtp._fs import fsync_path, write_atomically
 from lightning_sgdtp.compiler.artifacts import PLUGIN_FINGERPRINT, CompileLock
 from lightning_sgdtp.compiler.backend import PASS_VERSION
 from lightning_sgdtp.config import SGDTPConfig
 from lightning_sgdtp.trust import ArtifactVerificationError, verify_dir
+from lightning_sgdtp.trust.durable import fsync_path, write_atomically
 from lightning_sgdtp.trust.signatures import sign_with
 
 LOCK = "sgdtp-compile.lock"

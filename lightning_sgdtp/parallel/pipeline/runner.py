@@ -1,6 +1,6 @@
 """Pipeline parallelism, part two: run the split model on ``torch.distributed.pipelining``.
 
-The split (:mod:`~lightning_sgdtp.parallel.pipeline_split`) names the block where each stage starts. Torch's own
+The split (:mod:`~lightning_sgdtp.parallel.pipeline.split`) names the block where each stage starts. Torch's own
 pipeline frontend (``torch.distributed.pipelining.pipeline``: ``torch.export`` of the LightningModule's
 ``forward``, cut before those blocks) turns it into stage modules, so whatever code runs before the block stack
 (embeddings, positions) lands on stage 0 and whatever runs after it (final norm, head) on the last stage, with
@@ -36,16 +36,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_sgdtp.comm import all_reduce_flat
-from lightning_sgdtp.faults import is_distributed_error
-from lightning_sgdtp.parallel.pipeline_split import PipelineSplit
-from lightning_sgdtp.parallel.schedules import SCHEDULES, check_chunks, micro_batch_count, micro_batch_weights
+from lightning_sgdtp.parallel.pipeline.boundaries import make_boundaries_contiguous, send_contiguous
+from lightning_sgdtp.parallel.pipeline.carry import carry_stage_inputs
+from lightning_sgdtp.parallel.pipeline.memory import ReleasedStages
+from lightning_sgdtp.parallel.pipeline.names import rename_self_nodes
+from lightning_sgdtp.parallel.pipeline.schedules import SCHEDULES, check_chunks, micro_batch_count, micro_batch_weights
+from lightning_sgdtp.parallel.pipeline.split import PipelineSplit
 from lightning_sgdtp.parallel.sharding import stored_parameter
-from lightning_sgdtp.parallel.stage_boundaries import make_boundaries_contiguous, send_contiguous
-from lightning_sgdtp.parallel.stage_carry import carry_stage_inputs
-from lightning_sgdtp.parallel.stage_memory import ReleasedStages
-from lightning_sgdtp.parallel.stage_names import rename_self_nodes
-from lightning_sgdtp.parallel.tensor import local_shard
+from lightning_sgdtp.parallel.tensor.plan import local_shard
+from lightning_sgdtp.runtime.faults import is_distributed_error
+from lightning_sgdtp.sync.comm import all_reduce_flat
 
 
 class PipelineContractError(RuntimeError):
@@ -274,7 +274,7 @@ class PipelineRunner:
 
     Args:
         module: the LightningModule (every rank holds all of it; a stage runs only its part).
-        split: the plan (:func:`~lightning_sgdtp.parallel.pipeline_split.plan_pipeline_split`).
+        split: the plan (:func:`~lightning_sgdtp.parallel.pipeline.split.plan_pipeline_split`).
         schedule: a key of :data:`SCHEDULES`.
         chunks: micro-batches per step (``pipeline_chunks``).
         group: the pipeline process group (this rank's stages talk to its neighbours in it).
@@ -406,7 +406,7 @@ class PipelineRunner:
     def _measure(self, args: tuple, kwargs: dict, chunks: int) -> None:
         """``pipeline_balance="measured"``: time the blocks on this micro-batch, agree (the slowest rank's times),
         split again by those costs."""
-        from lightning_sgdtp.parallel.pipeline_split import plan_pipeline_split
+        from lightning_sgdtp.parallel.pipeline.split import plan_pipeline_split
 
         self.measure = False
         blocks = self.split.whole_blocks()  # measured costs balance whole blocks (block_costs is one per block)

@@ -1,6 +1,6 @@
 """What the two front ends' strategies share (the Trainer's ``SGDTPStrategy`` and Fabric's ``SGDTPFabricStrategy``),
 without importing Lightning: a mixin placed before Lightning's ``ParallelStrategy`` in each class. Properties read
-the strategy's own fields (``_config``, ``_dims``, ``_engine``, ...); collectives go through :mod:`lightning_sgdtp.comm`
+the strategy's own fields (``_config``, ``_dims``, ``_engine``, ...); collectives go through :mod:`lightning_sgdtp.sync.comm`
 under the fault guard, so that a lost peer is named.
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from lightning_sgdtp import comm
 from lightning_sgdtp.config import SGDTPConfig
-from lightning_sgdtp.layout import ParallelDims
-from lightning_sgdtp.report import plan_dict
+from lightning_sgdtp.mesh.dims import ParallelDims
+from lightning_sgdtp.observe.report import plan_dict
+from lightning_sgdtp.sync import comm
 
 
 class FrontEnd:

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sgdtp.comm import PendingAllReduce, all_reduce_flat, start_all_reduce_flat
-from lightning_sgdtp.parallel.tensor import local_shard
+from lightning_sgdtp.parallel.tensor.plan import local_shard
+from lightning_sgdtp.sync.comm import PendingAllReduce, all_reduce_flat, start_all_reduce_flat
 
 COMPILED_NODE = "CompiledFunctionBackward"
 

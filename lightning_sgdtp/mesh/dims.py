@@ -9,7 +9,7 @@ Data parallel is ``dp = dp_replicate x dp_shard``: the ranks a parameter is spli
 groups of them that hold replicas (``shard_size``: hybrid sharding). Three shapes of grid exist:
 
 - tensor / hybrid: a ``dp x tp`` grid, one row per tensor-parallel group. The rows come from
-  :func:`lightning_sgdtp.topology.rank_layout`: each group lies on the fastest links of one node; data parallel
+  :func:`lightning_sgdtp.mesh.topology.rank_layout`: each group lies on the fastest links of one node; data parallel
   runs across rows (and nodes).
 - pipeline (x data): a ``pp x dp`` grid, one row per stage. Pipelines run across nodes and data parallel inside
   them where the nodes allow it: a stage sends one activation per micro-batch to its neighbour, while data
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
-from lightning_sgdtp.parallel.schedules import pipeline_stages
-from lightning_sgdtp.topology import Topology, TopologyError, rank_layout
+from lightning_sgdtp.mesh.topology import Topology, TopologyError, rank_layout
+from lightning_sgdtp.parallel.pipeline.schedules import pipeline_stages
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ class ParallelDims:
     ) -> tuple[ParallelDims, list[str]]:
         """The dimensions on the running cluster (the topology read for tensor parallel), their meshes built, and
         their log lines. Every rank must call it (the meshes are collectives)."""
-        from lightning_sgdtp import topology
+        from lightning_sgdtp.mesh import topology
 
         tensor = not config.pipelined and config.parallelism != "data"
         topo = topology.detect(device_type, devices_per_node, num_nodes) if tensor else None

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_sgdtp.parallel.styles import expert_count, linear_shape
+from lightning_sgdtp.parallel.tensor.styles import expert_count, linear_shape
 
 STYLES = ("colwise", "rowwise", "colwise_gather", "experts", "replicate", "sequence")
 #: A norm beside a split column -> row pair whose width is not the stream's (Qwen3's ``q_norm`` / ``k_norm``, over
@@ -445,8 +445,8 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorPlan, tp_mesh: Any) -> 
     from torch.distributed.tensor.parallel import RowwiseParallel as Rowwise
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-    from lightning_sgdtp.parallel import dtensor_ops
-    from lightning_sgdtp.parallel.styles import (
+    from lightning_sgdtp.parallel.tensor import dtensor_ops
+    from lightning_sgdtp.parallel.tensor.styles import (
         Conv1DColwise,
         Conv1DRowwise,
         ExpertParallel,

@@ -4,7 +4,7 @@
   recorded in the folder's SHA256 manifest (signed with ``signing_key``), verified before ``torch.load``
   unpickles anything (``verify_artifacts``, ``trusted_key``).
 - A sharded folder (any mesh): every rank writes its shards, or its stages' tensors, through DCP
-  (:mod:`lightning_sgdtp.sharded_checkpoint`); optimizer states are keyed by parameter name, so a checkpoint
+  (:mod:`lightning_sgdtp.checkpoint.sharded`); optimizer states are keyed by parameter name, so a checkpoint
   loads on any other layout.
 """
 
@@ -20,11 +20,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sgdtp import sharded_checkpoint as sharded
-from lightning_sgdtp._fs import fsync_path, write_atomically
+from lightning_sgdtp.checkpoint import sharded
 from lightning_sgdtp.config import SGDTPConfig
-from lightning_sgdtp.faults import FaultGuard
+from lightning_sgdtp.runtime.faults import FaultGuard
 from lightning_sgdtp.trust import verify_dir
+from lightning_sgdtp.trust.durable import fsync_path, write_atomically
 from lightning_sgdtp.trust.manifest import record_files
 from lightning_sgdtp.trust.signatures import sign_with
 

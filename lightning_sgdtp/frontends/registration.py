@@ -2,7 +2,7 @@
 
 Lightning ships the same trainer under two namespaces: ``lightning.pytorch`` and the standalone
 ``pytorch_lightning`` (whose classes are distinct: a ``lightning.pytorch`` strategy is not a
-``pytorch_lightning`` strategy). ``lightning_sgdtp/strategy.py`` is written against
+``pytorch_lightning`` strategy). ``lightning_sgdtp/frontends/trainer.py`` is written against
 ``lightning.pytorch``/``lightning.fabric`` and is the only module of this package that imports
 Lightning. For ``pytorch_lightning`` we build a *twin* the way Lightning itself produces
 ``pytorch_lightning`` from the ``lightning.pytorch`` sources: the source text of ``strategy.py`` is
@@ -12,11 +12,11 @@ rewritten (``lightning.pytorch`` -> ``pytorch_lightning``, ``lightning.fabric`` 
 The twin module is importable by name (a tiny ``sys.meta_path`` finder serves it), so instances
 of the twin pickle and unpickle like any other class, e.g. into spawned worker processes.
 
-Fabric's strategy (``lightning_sgdtp/fabric_strategy.py``, ``lightning.fabric`` only) gets the same treatment:
+Fabric's strategy (``lightning_sgdtp/frontends/fabric.py``, ``lightning.fabric`` only) gets the same treatment:
 its twin ``lightning_sgdtp._lf_strategy`` is built for the standalone ``lightning_fabric``.
 
 This module never imports Lightning by itself: ``lightning.pytorch`` comes in through
-``lightning_sgdtp.strategy``; ``pytorch_lightning`` only when the user already imported it (or
+``lightning_sgdtp.frontends.trainer``; ``pytorch_lightning`` only when the user already imported it (or
 asks for it explicitly with ``register_strategies(pytorch_lightning=True)``).
 """
 
@@ -36,15 +36,15 @@ DESCRIPTION = "lightning-sgdtp: compiled training step with gradient communicati
 
 #: twin module -> the source module it is rewritten from.
 _TWINS = {
-    "lightning_sgdtp._pl_strategy": "lightning_sgdtp.strategy",
-    "lightning_sgdtp._lf_strategy": "lightning_sgdtp.fabric_strategy",
+    "lightning_sgdtp._pl_strategy": "lightning_sgdtp.frontends.trainer",
+    "lightning_sgdtp._lf_strategy": "lightning_sgdtp.frontends.fabric",
 }
 _PL_TWIN_MODULE = "lightning_sgdtp._pl_strategy"
 #: namespace -> (the module of its class, the class, the registry's attribute in ``<namespace>.strategies``).
 _CLASSES = {
-    "lightning.pytorch": ("lightning_sgdtp.strategy", "SGDTPStrategy", "StrategyRegistry"),
+    "lightning.pytorch": ("lightning_sgdtp.frontends.trainer", "SGDTPStrategy", "StrategyRegistry"),
     "pytorch_lightning": ("lightning_sgdtp._pl_strategy", "SGDTPStrategy", "StrategyRegistry"),
-    "lightning.fabric": ("lightning_sgdtp.fabric_strategy", "SGDTPFabricStrategy", "STRATEGY_REGISTRY"),
+    "lightning.fabric": ("lightning_sgdtp.frontends.fabric", "SGDTPFabricStrategy", "STRATEGY_REGISTRY"),
     "lightning_fabric": ("lightning_sgdtp._lf_strategy", "SGDTPFabricStrategy", "STRATEGY_REGISTRY"),
 }
 _NAMESPACES = tuple(_CLASSES)

@@ -10,13 +10,13 @@ out (a teardown collective, a process group destroyed with work in flight).
 C-level handler writes the signal number to a pipe the moment the signal arrives, whatever the main thread is
 doing. A daemon thread reads the pipe; from then on the main thread has ``grace`` seconds to end the ordinary way
 (Lightning stops at the next batch, tears down, prints its traceback). If the process is still alive after that,
-the thread tells the peers (the failure report of :mod:`lightning_sgdtp.faults`: they end within seconds,
+the thread tells the peers (the failure report of :mod:`lightning_sgdtp.runtime.faults`: they end within seconds,
 naming this rank), prints why on stderr and ends the process with ``os._exit`` (128 + the signal; 1 after a
 failure). A failed rank starts the same countdown from :meth:`ShutdownWatchdog.failed`, and at interpreter exit
 it leaves at once (:func:`_leave_failed_at_exit`): its traceback is printed by then, and nothing it could still do is
 worth a hang.
 
-The preemption signal (``SIGUSR1`` by default, see :mod:`lightning_sgdtp.preemption`) is not watched: it asks for
+The preemption signal (``SIGUSR1`` by default, see :mod:`lightning_sgdtp.runtime.preemption`) is not watched: it asks for
 a checkpoint, not an end.
 """
 

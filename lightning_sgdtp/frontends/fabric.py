@@ -1,8 +1,8 @@
 """``SGDTPFabricStrategy``: Fabric glue (``Fabric(strategy="sgdtp")``), beside the Trainer's ``SGDTPStrategy``.
 
-The same options (:class:`~lightning_sgdtp.config.SGDTPConfig`), processes and layout (:mod:`lightning_sgdtp.processes`),
+The same options (:class:`~lightning_sgdtp.config.SGDTPConfig`), processes and layout (:mod:`lightning_sgdtp.runtime.processes`),
 engine (:class:`~lightning_sgdtp.engine.compiled.CompiledStep`), gradient sync and checkpoints
-(:mod:`lightning_sgdtp.checkpoints`) as the Trainer strategy; only the hooks differ. Fabric has no
+(:mod:`lightning_sgdtp.checkpoint.hooks`) as the Trainer strategy; only the hooks differ. Fabric has no
 ``training_step``: the module ``fabric.setup`` returns runs its call (``_call_impl``: forward and its hooks)
 compiled by the ``"sgdtp"`` backend, so the gradient buckets are in the compiled backward ``fabric.backward`` runs;
 what the loop computes eagerly around it (the loss) is covered by the ledger. ``fabric.no_backward_sync`` runs
@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sgdtp import checkpoints, model_settings, processes
+from lightning_sgdtp.checkpoint import hooks as checkpoints
 from lightning_sgdtp.config import (
     SGDTPConfig,
     SGDTPConfigError,
@@ -49,18 +49,20 @@ from lightning_sgdtp.config import (
     check_process_group_backend,
     check_trainer_plugins,
 )
+from lightning_sgdtp.engine import model_settings
 from lightning_sgdtp.engine.base import BROADCAST_BUCKET_BYTES, EngineInputs
 from lightning_sgdtp.engine.compiled import CompiledStep
 from lightning_sgdtp.engine.parallelize import start_from_rank_0, to_device
 from lightning_sgdtp.engine.step_compile import check_not_compiled
-from lightning_sgdtp.faults import FaultGuard
-from lightning_sgdtp.front_end import FrontEnd, strategy_docs, strategy_signature
-from lightning_sgdtp.layout import ParallelDims
+from lightning_sgdtp.frontends.job import FrontEnd, strategy_docs, strategy_signature
+from lightning_sgdtp.mesh.dims import ParallelDims
+from lightning_sgdtp.observe.report import PlanReport
+from lightning_sgdtp.observe.timeline import OPTIMIZER_LABEL, label
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
 from lightning_sgdtp.planner.auto import given_options
-from lightning_sgdtp.report import PlanReport
-from lightning_sgdtp.shutdown import ShutdownWatchdog
-from lightning_sgdtp.timeline import OPTIMIZER_LABEL, label
+from lightning_sgdtp.runtime import processes
+from lightning_sgdtp.runtime.faults import FaultGuard
+from lightning_sgdtp.runtime.shutdown import ShutdownWatchdog
 
 #: The step Fabric's module runs compiled: the module's call, its forward hooks included (tensor parallel's).
 FABRIC_STEP = "_call_impl"
@@ -378,7 +380,7 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
                 "fabric.save(..., filter=...) / storage_options are not supported by the sgdtp strategy: it writes the"
                 " whole state (sharded on a mesh). Save without them."
             )
-        from lightning_sgdtp.fabric_checkpoints import to_trainer_layout
+        from lightning_sgdtp.checkpoint.fabric_layout import to_trainer_layout
 
         module = self._engine.module if self._engine is not None else None
         checkpoint = to_trainer_layout(state, module, by_name=self._sharded())
@@ -401,7 +403,7 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
     ) -> dict[str, Any]:
         """Either format (a Trainer checkpoint too), on any layout: what ``state`` names is loaded in place; the
         rest is returned."""
-        from lightning_sgdtp.fabric_checkpoints import from_trainer_layout
+        from lightning_sgdtp.checkpoint.fabric_layout import from_trainer_layout
 
         path = Path(self.broadcast(str(path)))
         module, optimizers = _module_and_optimizers(state)
