@@ -17,7 +17,7 @@ strategy itself makes for that layout, so that what it predicts is what the stra
 Activations (and the pipeline's micro-batches in flight) depend on the batch: :func:`~lightning_sgdtp.planner.cost.
 activation_bytes` predicts them and the search adds them (``RankMemory.activations``). Not predicted: the
 allocator's overhead. Its parameter bytes are checked against what every rank held after ``fit`` in the support
-matrix runs (``docs/model-support.json``; ``tests/unit/test_planner_memory.py``).
+matrix runs (``docs/model-support.json``; ``tests/unit/planner/test_planner_memory.py``).
 """
 
 from __future__ import annotations

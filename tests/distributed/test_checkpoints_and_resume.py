@@ -339,7 +339,7 @@ def test_strategy_checkpoints_are_verified_before_unpickling(tmp_path: Path) -> 
     assert _job(tmp_path, "resume", verify_artifacts=False) == "RESULT ok 4"
 
 
-@pytest.mark.slow  # suite budget (issue 26's stop): covered by the test above and tests/unit/test_trust.py
+@pytest.mark.slow  # suite budget (issue 26's stop): covered by the test above and tests/unit/trust/test_trust.py
 def test_signed_checkpoints_need_the_trusted_key(tmp_path: Path) -> None:
     private, public, other = tmp_path / "k.pem", tmp_path / "k.pub.pem", tmp_path / "other.pub.pem"
     key = ed25519.Ed25519PrivateKey.generate()

@@ -103,7 +103,7 @@ def test_an_unwritable_default_folder_trains_with_a_warning(warmed: tuple[Path, 
     assert "wrote bundle" not in log and "verified" not in log and _equal(out, "cold", "unwritable")
 
 
-@pytest.mark.slow  # the bundle's manifest check itself: tests/unit/test_trust.py; trust in the default run: checkpoints
+@pytest.mark.slow  # the bundle's manifest check itself: tests/unit/trust/test_trust.py; trust in the default run: checkpoints
 def test_a_tampered_bundle_is_ignored_replaced_and_warm_again(warmed: tuple[Path, Path, list[dict]]) -> None:
     cache, out, _ = warmed
     (bundle,) = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]

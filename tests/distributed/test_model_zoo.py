@@ -130,7 +130,7 @@ CELLS: dict[str, dict[str, Any]] = {
 #: The slow tier (tests/README.md). The default run keeps one transformers model per mode: Mixtral tensor (experts
 #: split, expert parallel), Gemma2 pipeline (padded batches, buffers, stages released), GPT-2 hybrid sharded (fused
 #: QKV as a Conv1D split by output features, and sharding with tensor parallel against a reference), ResNet data.
-#: Phi-3's fused q/k/v and gate/up are split by the same rule as GPT-2's c_attn (its plan: tests/unit/test_tensor_plan.py).
+#: Phi-3's fused q/k/v and gate/up are split by the same rule as GPT-2's c_attn (its plan: tests/unit/parallel/test_tensor_plan.py).
 SLOW = {
     "phi3_tensor",
     "gpt2_hybrid",

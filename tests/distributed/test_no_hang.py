@@ -66,7 +66,7 @@ def _run_until(tmp_path: Path, scenario: dict[str, Any], strike: Any) -> tuple[f
 
 
 # The default run keeps data and pipeline; hybrid and pipeline x data (4 ranks, the same guard over a 2-D mesh) and
-# Fabric (the same guard, reached through the strategy's excepthook: tests/unit/test_fabric_faults.py) are slow.
+# Fabric (the same guard, reached through the strategy's excepthook: tests/unit/frontends/test_fabric_faults.py) are slow.
 @pytest.mark.parametrize("mode", tiered(list(MODES), slow={"hybrid", "pipeline_x_data", "fabric", "fabric_rank0"}))
 def test_a_failure_on_one_rank_ends_the_job(tmp_path: Path, mode: str) -> None:
     """Rank 1 raises in its step-2 ``training_step`` (in a pipeline: inside the schedule, on the last stage, while

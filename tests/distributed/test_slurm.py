@@ -174,7 +174,7 @@ def _two_nodes_bitwise_as_one(tmp_path: Path, args: list[str], one_node: list[st
     return result.stdout, plan
 
 
-@pytest.mark.slow  # 4 ranks; the rank layout itself: tests/unit/test_topology.py
+@pytest.mark.slow  # 4 ranks; the rank layout itself: tests/unit/mesh/test_topology.py
 def test_hybrid_over_two_nodes_puts_tensor_parallel_inside_each_node(tmp_path: Path) -> None:
     """dp=2 x tp=2 on 2 SLURM nodes x 2 tasks: each tensor-parallel group is one node, data parallel runs across
     the nodes, and the result is bitwise the same run launched by Lightning on one node with devices=4."""
@@ -185,7 +185,7 @@ def test_hybrid_over_two_nodes_puts_tensor_parallel_inside_each_node(tmp_path: P
     assert "2 node(s) x 2 cpu devices" in out  # log wording: the topology is not in the plan yet (plan["topology"])
 
 
-@pytest.mark.slow  # 4 ranks; the rank layout itself: tests/unit/test_topology.py
+@pytest.mark.slow  # 4 ranks; the rank layout itself: tests/unit/mesh/test_topology.py
 def test_pipeline_over_two_nodes_puts_one_stage_on_each_node(tmp_path: Path) -> None:
     """pipeline_chunks alone on 2 SLURM nodes x 2 tasks: one stage per node (pp=2 across the nodes), data parallel
     inside each node, and the result is bitwise the same run on one node with devices=4, pipeline_stages=2."""

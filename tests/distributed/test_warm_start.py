@@ -29,7 +29,7 @@ def _run(root: Path, cache: Path) -> dict:
     return plan["step_program"]
 
 
-@pytest.mark.slow  # default run: the key's fields (tests/unit/test_compile_cache_key.py), compile_cache's warm start
+@pytest.mark.slow  # default run: the key's fields (tests/unit/compiler/test_compile_cache_key.py), compile_cache's warm start
 def test_the_second_run_of_the_main_job_compiles_nothing(tmp_path: Path) -> None:
     cache = tmp_path / "inductor"
     cold, warm = _run(tmp_path / "cold", cache), _run(tmp_path / "warm", cache)

@@ -1,5 +1,5 @@
 """``strategy="sgdtp"`` without importing lightning-sgdtp: the .pth autoload hook and the registration, each in a
-fresh interpreter (the hook module's and the registration's in-process tests: tests/unit/test_registration.py).
+fresh interpreter (the hook module's and the registration's in-process tests: tests/unit/frontends/test_registration.py).
 
 The subprocess tests need the package *installed* (``pip install -e .`` or ``pip install .``) because
 the hook is a ``.pth`` file in site-packages; they are skipped otherwise. Each one starts a fresh

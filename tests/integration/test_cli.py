@@ -1,6 +1,6 @@
 """The `sgdtp` command line in fresh interpreters: `sgdtp diagnose`, `sgdtp doctor`, `sgdtp sign` / `sgdtp verify`.
 What a command prints is its feature here: these tests read its output. (The library functions behind each command:
-tests/unit/test_diagnose.py, test_doctor.py, test_trust.py.)"""
+tests/unit/diagnose/test_diagnose.py, test_doctor.py, test_trust.py.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The graph registry at interpreter exit, in a fresh interpreter (the in-process tests: tests/unit/test_graph.py)."""
+"""The graph registry at interpreter exit, in a fresh interpreter (the in-process tests: tests/unit/graph/test_graph.py)."""
 
 from __future__ import annotations
 
