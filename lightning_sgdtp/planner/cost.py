@@ -30,7 +30,7 @@ The model of a step, on the slowest rank (every term is in :meth:`StepTime.to_di
 Collectives over a group of ``g`` ranks cost ``latency + f x bytes / bus_bandwidth`` with the ring factor
 ``f = 2 (g - 1) / g`` for an all-reduce and ``(g - 1) / g`` for an all-gather or a reduce-scatter; a group takes the
 slowest link it spans (``Hardware.link_for``). Ranks are laid out tensor-parallel innermost, then data parallel,
-then pipeline stages (the order of ``layout.py`` and Megatron).
+then pipeline stages (the order of ``mesh/dims.py`` and Megatron).
 
 Activations per block (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 section 4: ``s b h (34 + 5 a s / h)`` bytes in 16-bit, ``s b h (10 + 24 / t + 5 a s / (h t))`` with tensor

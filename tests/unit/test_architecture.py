@@ -1,69 +1,37 @@
-"""The module map's rules, checked on the source (see docs/how-it-works.md#the-map): no import cycles between
-the package's modules (imports inside functions included: a lazy import is still a dependency), Lightning imported
-by the two front ends alone, strategy.py (the Trainer's) and fabric_strategy.py (Fabric's; the standalone-package
-twins are derived from them), no module over ~600 lines (a sign of two jobs
-in one file), and the mode decided in one place: config, ParallelDims (layout.py, with the rank grid of
-topology.py) and plan_part (engine/parallelize.py)."""
+"""The house's rules, checked on the source (docs/architecture.md): folders by concern with the public API at the
+root; no import cycles (imports inside functions included: a lazy import is still a dependency) and fewer layers than
+the 12 of the flat package; Lightning imported by the two front ends alone (``frontends/trainer.py``,
+``frontends/fabric.py``; the standalone-package twins are derived from them); the techniques under ``parallel/``
+never reach up to the options, the planner or the front ends; the front ends thin (<= 450 lines, no run of lines
+shared); no module over ~600 lines (a sign of two jobs in one file); and the mode decided in one place: config,
+ParallelDims (mesh/dims.py, with the rank grid of mesh/topology.py), the planner and plan_part
+(engine/parallelize.py). The graph is read by ``tools/import_graph.py``, the command that prints its figures."""
 
 from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "lightning_sgdtp"
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+import import_graph
+
+PACKAGE = import_graph.PACKAGE
+FRONT_ENDS = ("trainer.py", "fabric.py")
 
 
 def _modules() -> dict[str, Path]:
-    out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return out
+    return import_graph.modules()
 
 
-def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
-    """The package modules ``path`` imports, anywhere in it (module level, or inside a function: lazy imports run
-    too, and a cycle through one is a cycle). ``from .x import y`` is resolved against the module's package."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    deps: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            target = node.module or ""
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                target = ".".join([*base, *([target] if target else [])])
-            if not target.startswith("lightning_sgdtp"):
-                continue
-            subs = [f"{target}.{a.name}" for a in node.names]
-            deps |= {s for s in subs if s in modules}
-            if any(s not in modules for s in subs):
-                deps.add(target)
-        elif isinstance(node, ast.Import):
-            deps |= {a.name for a in node.names if a.name in modules}
-    return deps - {name}
-
-
-def test_no_import_cycles() -> None:
-    modules = _modules()
-    graph = {m: _imports(p, m, modules) for m, p in modules.items()}
-    cycles, state = [], {}
-
-    def visit(m: str, stack: list[str]) -> None:
-        state[m] = "open"
-        stack.append(m)
-        for d in sorted(graph[m]):
-            if state.get(d) == "open":
-                cycles.append(stack[stack.index(d) :] + [d])
-            elif d not in state:
-                visit(d, stack)
-        stack.pop()
-        state[m] = "done"
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [])
-    assert not cycles, cycles
+def test_no_import_cycles_and_fewer_layers() -> None:
+    graph = import_graph.graph()
+    assert import_graph.cycles(graph) == []
+    # The flat package (28 root modules) stood on 12 layers: the folders must not stack it higher.
+    assert max(import_graph.layers(graph).values()) < 12
 
 
 def test_the_cycle_check_sees_function_level_imports(tmp_path: Path) -> None:
@@ -71,8 +39,67 @@ def test_the_cycle_check_sees_function_level_imports(tmp_path: Path) -> None:
     (tmp_path / "a.py").write_text("def f():\n    from lightning_sgdtp.b import g\n")
     (tmp_path / "b.py").write_text("def g():\n    import lightning_sgdtp.a\n")
     modules = {"lightning_sgdtp.a": tmp_path / "a.py", "lightning_sgdtp.b": tmp_path / "b.py"}
-    assert _imports(modules["lightning_sgdtp.a"], "lightning_sgdtp.a", modules) == {"lightning_sgdtp.b"}
-    assert _imports(modules["lightning_sgdtp.b"], "lightning_sgdtp.b", modules) == {"lightning_sgdtp.a"}
+    graph = {m: import_graph.imports(p, m, modules) for m, p in modules.items()}
+    assert graph == {"lightning_sgdtp.a": {"lightning_sgdtp.b"}, "lightning_sgdtp.b": {"lightning_sgdtp.a"}}
+    assert import_graph.cycles(graph)
+    assert import_graph.layers({"x": {"y"}, "y": {"z"}, "z": set()}) == {"x": 3, "y": 2, "z": 1}
+
+
+def test_the_root_is_the_public_api() -> None:
+    """At most 5 modules at the package root (``__init__``, ``config``, ``cli``, ...): the rest lives in a folder
+    named for its concern."""
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= 5, root
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert {
+        "frontends",
+        "mesh",
+        "parallel",
+        "engine",
+        "sync",
+        "compiler",
+        "checkpoint",
+        "runtime",
+        "observe",
+    } <= folders
+
+
+def test_techniques_do_not_reach_up() -> None:
+    """A technique (``parallel/``) is applied by the engine and read by config, the planner and the front ends;
+    it imports none of them (config validates a technique's options through the technique's own checks)."""
+    graph = import_graph.graph()
+    above = ("lightning_sgdtp.config", "lightning_sgdtp.planner", "lightning_sgdtp.frontends")
+    offenders = {
+        m: sorted(d for d in deps if d.startswith(above))
+        for m, deps in graph.items()
+        if m.startswith("lightning_sgdtp.parallel")
+    }
+    assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def _shared_runs(a: str, b: str, length: int = 6) -> list[str]:
+    """Runs of ``length`` consecutive non-blank lines (stripped) that stand in both sources."""
+
+    def runs(source: str) -> dict[tuple[str, ...], int]:
+        lines = [(i, line.strip()) for i, line in enumerate(source.splitlines(), 1) if line.strip()]
+        return {tuple(x for _, x in lines[k : k + length]): lines[k][0] for k in range(len(lines) - length + 1)}
+
+    theirs = runs(b)
+    return [f"line {n}" for run, n in runs(a).items() if run in theirs]
+
+
+def test_the_front_ends_are_thin() -> None:
+    """Each front end keeps Lightning's vocabulary and delegates the rest to the shared core (``frontends/job.py``):
+    <= 450 lines each, and no run of 6 lines stands in both."""
+    sources = {name: (PACKAGE / "frontends" / name).read_text() for name in FRONT_ENDS}
+    assert {n: len(s.splitlines()) for n, s in sources.items() if len(s.splitlines()) > 450} == {}
+    assert _shared_runs(*sources.values()) == []
+
+
+def test_the_shared_run_check_can_fail() -> None:
+    body = "".join(f"x{i} = {i}\n" for i in range(6))
+    assert _shared_runs("a = 1\n" + body, body + "b = 2\n") == ["line 2"]
+    assert _shared_runs(body, body.replace("x5", "y5")) == []
 
 
 #: Where the mode is decided: the options, the dimensions (and the rank grid they are built from), the part plan.
