@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_sgdtp.parallel.pipeline.schedules import SCHEDULES, check_chunks, default_micro_batches, pipeline_stages
+from lightning_sgdtp.parallel import TECHNIQUES
+from lightning_sgdtp.parallel.pipeline.technique import PIPELINE
+from lightning_sgdtp.parallel.sharding import WIRE_DTYPES as GRAD_COMM_DTYPES
+from lightning_sgdtp.parallel.technique import check_all, option_names, own_defaults
+from lightning_sgdtp.parallel.tensor.technique import TP_STYLES  # noqa: F401  (a public name of this module)
 
 PARALLELISMS = ("data", "tensor", "hybrid", "auto")
-TP_STYLES = ("colwise", "rowwise", "colwise_gather", "replicate")
-GRAD_COMM_DTYPES = {"fp32": None, "float32": None, "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
 #: ``debug_skip_sync`` values: the negative controls.
@@ -131,6 +133,8 @@ class SGDTPConfig:
             fail). Training is wrong on purpose: it acts only with ``SGDTP_DEBUG_OPTIONS=1`` in the environment (the
             test suite sets it) and is refused with a warning otherwise. Shown in the plan. See
             ``docs/options.md``.
+        technique_options: the options of techniques registered with ``lightning_sgdtp.parallel.register`` that
+            declare their own (no field here); give them as keywords like any option, they are kept here.
     """
 
     parallelism: Literal["data", "tensor", "hybrid", "auto"] = "data"
@@ -164,6 +168,7 @@ class SGDTPConfig:
     shard_size: int | str | None = None
     max_memory_per_rank: str | int | None = None
     debug_skip_sync: str | None = None
+    technique_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.parallelism not in PARALLELISMS:
@@ -171,8 +176,7 @@ class SGDTPConfig:
                 f"parallelism={self.parallelism!r} is not known. Use one of {PARALLELISMS}, for example"
                 " SGDTPStrategy(parallelism='data')."
             )
-        self._check_pipeline()
-        self._check_tensor_parallel()
+        self._check_techniques()
         self._check_auto()
         cap = self.bucket_cap_mb
         if cap != "auto" and (isinstance(cap, bool) or not isinstance(cap, (int, float))):
@@ -189,7 +193,6 @@ class SGDTPConfig:
                 f"grad_comm_dtype={self.grad_comm_dtype!r} is not supported. Use None (communicate in the"
                 " gradient's own dtype) or 'bf16' (half the bytes, lossy)."
             )
-        self._check_sharding()
         from lightning_sgdtp.engine.optim import UPDATES
 
         if self.optimizer_update not in UPDATES:
@@ -208,13 +211,7 @@ class SGDTPConfig:
                 "debug_skip_sync='reduce-scatter' applies to sharded parameters: set sharding='full' or 'optimizer'"
                 " (or use 'dp-sync')."
             )
-        for name in (
-            "overlap",
-            "activation_checkpointing",
-            "broadcast_buffers",
-            "verify_artifacts",
-            "regional_compile",
-        ):
+        for name in ("overlap", "broadcast_buffers", "verify_artifacts", "regional_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise SGDTPConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
         for name in ("collective_timeout", "rendezvous_timeout", "shutdown_grace"):
@@ -261,7 +258,7 @@ class SGDTPConfig:
                 f"max_memory_per_rank={self.max_memory_per_rank!r} is a limit for the planner: set"
                 " parallelism='auto' (it then chooses a layout that fits), or remove max_memory_per_rank."
             )
-        from lightning_sgdtp.planner.search import PlannerInputError, parse_memory
+        from lightning_sgdtp.planner.units import PlannerInputError, parse_memory
 
         try:
             parse_memory(self.max_memory_per_rank)
@@ -289,174 +286,29 @@ class SGDTPConfig:
     def pipelined(self) -> bool:
         return self.pipeline_stages is not None or self.pipeline_chunks is not None
 
-    def _check_pipeline(self) -> None:
-        stages, chunks, per_rank = self.pipeline_stages, self.pipeline_chunks, self.pipeline_stages_per_rank
-        if not self.pipelined:
-            for name, default in (
-                ("pipeline_schedule", "1f1b"),
-                ("pipeline_split", None),
-                ("pipeline_balance", "params"),
-                ("pipeline_stages_per_rank", None),
-            ):
-                if getattr(self, name) != default:
-                    raise SGDTPConfigError(
-                        f"{name}={getattr(self, name)!r} needs pipeline parallelism: set pipeline_stages (ranks per"
-                        f" pipeline) and/or pipeline_chunks (micro-batches per step), or remove {name}."
-                    )
-            return
-        if self.compile_cache not in (None, False, "auto"):
-            raise NotAvailableYetError(
-                "compile_cache with pipeline parallelism is not available yet (each micro-batch shape compiles its"
-                " stages at the first step). Remove compile_cache, or train without pipeline_stages."
-            )
-        if self.parallelism == "hybrid" and self.tensor_parallel_size in (None, "auto"):
+    def _check_techniques(self) -> None:
+        """Each registered technique's checks of its options (``parallel/``), in the order applied; the first
+        problem is raised."""
+        unknown = set(self.technique_options or {}) - set(own_defaults(TECHNIQUES))
+        if unknown:
             raise SGDTPConfigError(
-                "parallelism='hybrid' with pipeline stages needs tensor_parallel_size (ranks per tensor-parallel"
-                " group inside each stage, e.g. 2): 'auto' sizes a group by the node's fast links, which the stages"
-                " share. Set tensor_parallel_size, or use parallelism='tensor' (every rank of a stage in its group)."
+                f"technique_options has unknown keys {sorted(unknown)}: the registered techniques' own options are"
+                f" {sorted(own_defaults(TECHNIQUES))}."
             )
-        for name, value, least in (("pipeline_stages", stages, 2), ("pipeline_chunks", chunks, 1)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-                raise SGDTPConfigError(
-                    f"{name}={value!r} must be an int >= {least}"
-                    + (
-                        " (ranks per pipeline, e.g. 2)."
-                        if name == "pipeline_stages"
-                        else " (micro-batches per step, e.g. 4)."
-                    )
-                )
-        if self.pipeline_schedule not in SCHEDULES:
-            raise SGDTPConfigError(
-                f"pipeline_schedule={self.pipeline_schedule!r} is not known. Use one of {sorted(SCHEDULES)}."
-            )
-        if self.pipeline_balance not in ("params", "measured"):
-            raise SGDTPConfigError(
-                f"pipeline_balance={self.pipeline_balance!r}: use 'params' (parameter count) or 'measured' (time"
-                " each block's forward on the first batch)."
-            )
-        if self.pipeline_split is not None and self.pipeline_balance != "params":
-            raise SGDTPConfigError("pipeline_split names the stages itself: drop pipeline_balance (or pipeline_split).")
-        split = self.pipeline_split
-        if split is not None and (isinstance(split, str) or not all(isinstance(n, str) for n in split)):
-            raise SGDTPConfigError(
-                f"pipeline_split={split!r} must be a list of module names: the blocks where stages 1, 2, ... start,"
-                " e.g. ['model.blocks.2']."
-            )
-        if per_rank is not None:
-            if self.pipeline_schedule != "interleaved_1f1b":
-                raise SGDTPConfigError(
-                    f"pipeline_stages_per_rank={per_rank!r} applies to pipeline_schedule='interleaved_1f1b' only"
-                    " (GPipe and 1F1B run one stage per rank)."
-                )
-            if isinstance(per_rank, bool) or not isinstance(per_rank, int) or per_rank < 2:
-                raise SGDTPConfigError(f"pipeline_stages_per_rank={per_rank!r} must be an int >= 2.")
-        if stages is not None:
-            self.check_pipeline_sizes(stages)
+        problem = check_all(TECHNIQUES, self)
+        if problem is not None:
+            raise (NotAvailableYetError if problem.later else SGDTPConfigError)(problem.message)
 
     def check_pipeline_sizes(self, ranks: int) -> None:
         """What depends on the number of ranks per pipeline (known here, or once the world size is)."""
-        stages = pipeline_stages(ranks, self.pipeline_schedule, self.pipeline_stages_per_rank)
-        if self.pipeline_split is not None and len(self.pipeline_split) != stages - 1:
-            raise SGDTPConfigError(
-                f"pipeline_split has {len(self.pipeline_split)} names for {stages} stages: give {stages - 1}, the"
-                " block where each stage after the first starts."
-            )
-        problem = check_chunks(self.pipeline_schedule, self.pipeline_micro_batches(ranks), ranks, stages)
-        if problem:
-            raise SGDTPConfigError(problem)
+        problem = PIPELINE.check_sizes(self, ranks)
+        if problem is not None:
+            raise SGDTPConfigError(problem.message)
 
     def pipeline_micro_batches(self, ranks: int) -> int:
         """Micro-batches per step: ``pipeline_chunks``, or its default (two per stage) for ``ranks`` ranks per
         pipeline."""
-        if self.pipeline_chunks is not None:
-            return self.pipeline_chunks
-        return default_micro_batches(ranks, self.pipeline_schedule, self.pipeline_stages_per_rank)
-
-    def _check_tensor_parallel(self) -> None:
-        size, plan = self.tensor_parallel_size, self.tp_plan
-        if self.parallelism not in ("data", "auto") and self.activation_checkpointing:
-            raise NotAvailableYetError(
-                f"activation_checkpointing=True with parallelism={self.parallelism!r} is not available yet: on torch"
-                " 2.13 AOTAutograd cannot save a checkpointed region's split (DTensor) inputs (it fails at the first"
-                " step with 'expected all tensors_saved_with_vc_check to be Tensors'). Use activation_checkpointing"
-                " with parallelism='data', or a larger tensor_parallel_size to fit the activations."
-            )
-        sp = self.sequence_parallel
-        if sp is not None and not isinstance(sp, bool):
-            raise SGDTPConfigError(f"sequence_parallel={sp!r} must be True, False or None (automatic).")
-        if sp and plan is not None:
-            raise SGDTPConfigError(
-                "sequence_parallel=True applies to the automatic plan; with tp_plan, drop sequence_parallel (or tp_plan)."
-            )
-        if self.parallelism == "data":
-            for name, value in (("tensor_parallel_size", size), ("tp_plan", plan), ("sequence_parallel", sp or None)):
-                if value is not None:
-                    raise SGDTPConfigError(
-                        f"{name}={value!r} needs tensor parallelism: set parallelism='tensor' or 'hybrid' (or remove"
-                        f" {name} to train data-parallel)."
-                    )
-            return
-        if size is not None and size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise SGDTPConfigError(
-                f"tensor_parallel_size={size!r} must be a positive int (ranks per tensor-parallel group, e.g. 2) or"
-                " 'auto' (one fast-link island: an NVLink group, or one node on CPU)."
-            )
-        if plan is None:
-            return
-        if not isinstance(plan, dict) or not plan:
-            raise SGDTPConfigError(
-                f"tp_plan={plan!r} must be a non-empty dict of module-name globs to styles, e.g."
-                " {'blocks.*.attn.qkv': 'colwise', 'blocks.*.attn.proj': 'rowwise'}."
-            )
-        for pattern, style in plan.items():
-            if not isinstance(pattern, str) or style not in TP_STYLES:
-                raise SGDTPConfigError(
-                    f"tp_plan[{pattern!r}] = {style!r}: keys are globs over module names, values one of {TP_STYLES}."
-                )
-
-    def _check_sharding(self) -> None:
-        from lightning_sgdtp.parallel.sharding import SHARDINGS
-
-        if self.sharding not in SHARDINGS:
-            raise SGDTPConfigError(
-                f"sharding={self.sharding!r} is not known. Use one of {list(SHARDINGS)}: 'full' splits parameters,"
-                " gradients and optimizer state across the data-parallel ranks (ZeRO-3), 'optimizer' gradients and"
-                " optimizer state (ZeRO-2), 'none' keeps a whole replica per rank."
-            )
-        if self.sharded and self.parallelism == "tensor":
-            raise SGDTPConfigError(
-                f"sharding={self.sharding!r} splits over the data-parallel ranks, and parallelism='tensor' has none."
-                " Use parallelism='data' (or remove sharding)."
-            )
-        size = self.shard_size
-        if size is not None:
-            if size != "node" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-                raise SGDTPConfigError(
-                    f"shard_size={size!r}: use None (split over every data-parallel rank), 'node' (split inside"
-                    " each node, replicate across nodes) or a positive int that divides the data-parallel size."
-                )
-            if not self.sharded:
-                raise SGDTPConfigError(
-                    f"shard_size={size!r} applies to sharded parameters: set sharding='full' or 'optimizer' (or"
-                    " remove shard_size)."
-                )
-            if self.pipelined:
-                raise NotAvailableYetError(
-                    f"shard_size={size!r} (hybrid sharding) with pipeline stages is not available yet. Use"
-                    " parallelism='data' or 'hybrid' without pipeline_stages, or remove shard_size (every"
-                    " data-parallel rank of a stage then holds one shard)."
-                )
-        if self.param_gather_dtype is not None:
-            if self.param_gather_dtype not in GRAD_COMM_DTYPES:
-                raise SGDTPConfigError(
-                    f"param_gather_dtype={self.param_gather_dtype!r} is not supported. Use None (the parameter's own"
-                    " dtype) or 'bf16'."
-                )
-            if self.sharding == "none":
-                raise SGDTPConfigError(
-                    f"param_gather_dtype={self.param_gather_dtype!r} applies to sharded parameters: set"
-                    " sharding='full' or 'optimizer' (or remove param_gather_dtype)."
-                )
+        return PIPELINE.micro_batches(self, ranks)
 
     @property
     def gather_dtype(self) -> Any:
@@ -492,8 +344,18 @@ class SGDTPConfig:
         """Name of the torch dtype used on the wire, or None for the gradient's own dtype."""
         return GRAD_COMM_DTYPES[self.grad_comm_dtype] if self.grad_comm_dtype is not None else None
 
+    def __getattr__(self, name: str) -> Any:
+        """A registered technique's own option (``technique_options``, else its default), read like a field."""
+        own = own_defaults(TECHNIQUES)
+        if name.startswith("_") or name not in own:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return (self.__dict__.get("technique_options") or {}).get(name, own[name])
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every option by name, the registered techniques' own ones among them."""
+        out = dataclasses.asdict(self)
+        own = out.pop("technique_options") or {}
+        return out | {name: own.get(name, default) for name, default in own_defaults(TECHNIQUES).items()}
 
     def check_single_graph(self) -> None:
         """What ``torch.compile(model, backend="sgdtp", options=...)`` cannot do alone: it compiles one graph in one
@@ -524,7 +386,7 @@ class SGDTPConfig:
         ``{"distributed": {"plugin": "sgdtp", "strategy": "data", "pipeline_chunks": 4}}``; every other
         key of ``"distributed"`` is a field of this class. Explicit keyword ``overrides`` win.
         """
-        fields = {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name for f in dataclasses.fields(cls)} | set(option_names(TECHNIQUES))
         kwargs: dict[str, Any] = {}
         options = dict(options or {})
         unknown_top = set(options) - {"distributed"}
@@ -549,13 +411,19 @@ class SGDTPConfig:
         if unknown:
             raise SGDTPConfigError(
                 f'options["distributed"] has unknown keys {sorted(unknown)}. Known keys: "plugin", "strategy",'
-                f" {sorted(fields - {'parallelism'})}."
+                f" {sorted(fields - {'parallelism', 'technique_options'})}."
             )
         kwargs.update(dist)
         unknown = set(overrides) - fields
         if unknown:
-            raise SGDTPConfigError(f"unknown option(s) {sorted(unknown)}. Known options: {sorted(fields)}.")
+            raise SGDTPConfigError(
+                f"unknown option(s) {sorted(unknown)}. Known options: {sorted(fields - {'technique_options'})}."
+            )
         kwargs.update(overrides)
+        own = set(own_defaults(TECHNIQUES)) - set(cls.__dataclass_fields__)
+        extra = {k: kwargs.pop(k) for k in sorted(own & set(kwargs))}
+        if extra:
+            kwargs["technique_options"] = {**(kwargs.get("technique_options") or {}), **extra}
         return cls(**kwargs)
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from lightning_sgdtp.compiler.artifacts import PLUGIN_FINGERPRINT, CompileLock
 from lightning_sgdtp.compiler.backend import PASS_VERSION
 from lightning_sgdtp.config import SGDTPConfig
+from lightning_sgdtp.parallel import TECHNIQUES
 from lightning_sgdtp.trust import ArtifactVerificationError, verify_dir
 from lightning_sgdtp.trust.durable import fsync_path, write_atomically
 from lightning_sgdtp.trust.signatures import sign_with
@@ -47,21 +48,20 @@ FIELDS = "SGDTP-CACHE-KEY.json"
 GRAPHS = "sgdtp-plans"  # the recorded graphs' folder (its name predates GraphBuckets; kept for existing caches)
 # Not artifacts: Inductor's lock files, our own lock and marker.
 _SKIP = {"locks", LOCK, LOADED}
-# The options that change the compiled graphs (part of the key).
-GRAPH_OPTIONS = (
-    "parallelism",
-    "bucket_cap_mb",
-    "grad_comm_dtype",
-    "overlap",
-    "activation_checkpointing",
-    "tensor_parallel_size",
-    "tp_plan",
-    "sequence_parallel",
-    "sharding",
-    "param_gather_dtype",
-    "shard_size",
-    "regional_compile",
-)
+# The options of the plugin itself that change the compiled graphs; each technique adds its own (``graph_fields``).
+_OWN_GRAPH_OPTIONS = ("parallelism", "bucket_cap_mb", "grad_comm_dtype", "overlap", "regional_compile")
+
+
+def graph_options() -> tuple[str, ...]:
+    """The options that change the compiled graphs (part of the key): the plugin's and every registered
+    technique's ``graph_fields``."""
+    return _OWN_GRAPH_OPTIONS + tuple(f for t in TECHNIQUES for f in t.graph_fields)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GRAPH_OPTIONS":  # read when asked for: a technique registered later is in it
+        return graph_options()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def key_fields(
@@ -79,7 +79,7 @@ def key_fields(
 ) -> dict[str, Any]:
     """What makes compiled artifacts valid, as plain data (:func:`cache_key` hashes it): the bucket pass's
     version and the plugin's source hash, torch, Python, platform, device kind, the parallel layout, the
-    process-group backend and names, the options in ``GRAPH_OPTIONS``, and the module's code and parameter shapes.
+    process-group backend and names, the options in :func:`graph_options`, and the module's code and parameter shapes.
     The field names are those of the bundles already written: ``"plan"`` holds the graph options."""
     cls = type(module)
     try:
@@ -98,7 +98,7 @@ def key_fields(
         "backend": process_group_backend,
         "groups": [dist.group.WORLD.group_name] if dist.is_available() and dist.is_initialized() else [],
         "tensor_parallel_plan": tensor_parallel_plan,
-        "plan": {k: options[k] for k in GRAPH_OPTIONS} | {"in_graph_sync": in_graph_sync},
+        "plan": {k: options[k] for k in graph_options()} | {"in_graph_sync": in_graph_sync},
         "module": f"{cls.__module__}.{cls.__qualname__}",
         "module_source_sha256": hashlib.sha256(source).hexdigest(),
         # The same code with other sizes compiles other graphs: a bundle is for these parameters only.

@@ -31,7 +31,7 @@ from lightning_sgdtp.compiler.backend import CompileSettings, SGDTPCompiler
 from lightning_sgdtp.compiler.bucket_cost import CostModel
 from lightning_sgdtp.compiler.regions import unmark_regions
 from lightning_sgdtp.engine.base import Clip, EngineInputs, StepEngine, broadcast_buffers
-from lightning_sgdtp.engine.parallelize import PartPlan, parallelize, plan_part, sync_line
+from lightning_sgdtp.engine.parallelize import PartPlan, parallelize, per_step_hooks, plan_part, sync_line
 from lightning_sgdtp.engine.step_compile import compile_step, restore_bookkeeping, run_bookkeeping_eagerly
 from lightning_sgdtp.observe.timeline import label
 from lightning_sgdtp.parallel.clipping import clip_grad_norm_
@@ -211,7 +211,7 @@ class CompiledStep(StepEngine):
             if self.part_plan is not None and self.part_plan.broadcast_buffers:
                 with label("sgdtp: broadcast buffers"):
                     broadcast_buffers([self.module], self.dims.dp_group)
-            with self.implicit_replication():
+            with self.implicit_replication(), per_step_hooks(self.part_plan, self.dims):
                 return self._step_for(args, kwargs)(*args, **kwargs)
 
     def _step_for(self, args: tuple, kwargs: dict) -> Callable:

@@ -43,6 +43,7 @@ from lightning_sgdtp.compiler.regions import Regions, mark_regions
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.engine.step_compile import compile_step
 from lightning_sgdtp.mesh.dims import ParallelDims
+from lightning_sgdtp.parallel import TECHNIQUES
 from lightning_sgdtp.parallel.checkpointing import block_names, checkpoint_blocks, find_block_stack
 from lightning_sgdtp.parallel.pipeline.stage_tensor import hook_stage, hooks_set_aside, recording_hooks
 from lightning_sgdtp.parallel.sharding import (
@@ -53,6 +54,7 @@ from lightning_sgdtp.parallel.sharding import (
     share_reads,
     whole_for_tracing,
 )
+from lightning_sgdtp.parallel.technique import Technique
 from lightning_sgdtp.parallel.tensor.plan import (
     TensorPlan,
     TensorPlanError,
@@ -133,6 +135,9 @@ class PartPlan:
     tensor_from_whole: bool = False
     #: Blocks marked as nested compile regions before compile (``regional_compile``; empty: the step is one graph).
     regions: tuple[str, ...] = ()
+    #: What a technique planned through the interface (``Technique.plan``), by its name: the piece its recipe line
+    #: applies and its per-step hook runs with (:func:`per_step_hooks`). Empty: today's techniques plan above.
+    pieces: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -147,6 +152,7 @@ class PartPlan:
             "compile_cache": self.compile_cache,
             "debug_skip_sync": self.skipped,
             "regional_compile": list(self.regions),
+            **({"pieces": {name: repr(piece) for name, piece in self.pieces.items()}} if self.pieces else {}),
         }
 
 
@@ -162,12 +168,14 @@ class Parallelized:
     steps: list[Callable[..., Any]] = field(default_factory=list)
     #: The blocks marked as nested compile regions.
     regions: Regions | None = None
+    #: The rank-0 lines of the techniques applied through the interface (:func:`apply_piece`).
+    lines: list[str] = field(default_factory=list)
 
     def describe(self, plan: PartPlan) -> list[str]:
         """One log line per decision applied to the whole module (a stage's blocks are announced per stage)."""
         lines = list(plan.tensor_plan.describe()) if plan.tensor_plan is not None else []
         lines += self.shard_plan.describe() if self.shard_plan is not None else []
-        lines += plan.notes
+        lines += [*plan.notes, *self.lines]
         if self.checkpointed and plan.compile != "forward":
             first, last = self.checkpointed[0], self.checkpointed[-1]
             lines.append(
@@ -259,6 +267,7 @@ def plan_part(
         broadcast_buffers=config.broadcast_buffers and dims.dp_enabled,  # over the data-parallel group
         implicit_replication=(whole and dims.on_mesh) or (pipelined and dims.tp_enabled),
         skipped=skipped, notes=notes, part=part, tensor_from_whole=stage and dims.tp_enabled, regions=regions,
+        pieces={t.name: piece for t in TECHNIQUES if (piece := t.plan(config, dims, module, part)) is not None},
     )  # fmt: skip
 
 
@@ -379,7 +388,7 @@ def parallelize(
     elif plan.tensor_from_whole:
         assert whole is not None, "a stage's split layers run the hooks of its whole module's"
         done.tensor_hooked = hook_stage(part, whole)
-    # 2. context parallel: here, once built (dims.cp_enabled)
+    # 2. context parallel: here, once built (dims.cp_enabled): `done.lines += apply_piece(CONTEXT, part, plan, dims)`
     # 3. sharding over the data-parallel ranks (2-D with tensor parallel), before compile
     shard = plan.sharding
     if shard is not None and shard.from_whole:
@@ -405,6 +414,26 @@ def parallelize(
         else:
             done.steps = [compile_step(getattr(part, plan.compile), backend) for backend in made]
     return done
+
+
+def apply_piece(technique: Technique, part: nn.Module, plan: PartPlan, dims: ParallelDims) -> list[str]:
+    """One recipe line of a technique planned through the interface: its piece of ``plan`` applied to ``part``
+    (``Technique.apply``); nothing when it planned none. Returns its rank-0 lines."""
+    piece = plan.pieces.get(technique.name)
+    return technique.apply(part, piece, dims) if piece is not None else []
+
+
+@contextlib.contextmanager
+def per_step_hooks(plan: PartPlan | None, dims: ParallelDims) -> Iterator[None]:
+    """What each training step runs under: every registered technique's ``per_step`` hook for the piece it planned
+    (e.g. a batch split by sequence), entered in the order applied."""
+    with contextlib.ExitStack() as stack:
+        for technique in TECHNIQUES if plan is not None and plan.pieces else ():
+            piece = plan.pieces.get(technique.name)
+            hook = technique.per_step(piece, dims) if piece is not None else None
+            if hook is not None:
+                stack.enter_context(hook)
+        yield
 
 
 @contextlib.contextmanager

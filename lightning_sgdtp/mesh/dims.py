@@ -26,11 +26,13 @@ Data parallel alone has no grid: every rank is a replica, the data-parallel grou
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.mesh.topology import Topology, TopologyError, rank_layout
+from lightning_sgdtp.parallel import TECHNIQUES
 from lightning_sgdtp.parallel.pipeline.schedules import pipeline_stages
 
 
@@ -73,11 +75,13 @@ class ParallelDims:
     #: micro-batches per step; 0 without.
     stages: int = 0
     micro_batches: int = 0
+    #: The axes of registered techniques that have no field here (name, size); 1 when not given.
+    axes: tuple[tuple[str, int], ...] = ()
     meshes: Meshes | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep)
-        if min(sizes) < 1 or self.pp * self.dp * self.cp * self.tp != self.world_size:
+        sizes = self.axis_sizes()
+        if min((*sizes.values(), self.ep)) < 1 or math.prod(sizes.values()) != self.world_size:
             raise SGDTPConfigError(
                 f"data-parallel size {self.dp} x tensor-parallel size {self.tp} must equal the world size"
                 f" {self.world_size}: choose a tensor_parallel_size that divides {self.world_size}."
@@ -95,6 +99,18 @@ class ParallelDims:
             )
 
     # ------------------------------------------------------------------------------------------- sizes
+    def size(self, axis: str) -> int:
+        """The ranks of ``axis`` (a field here, or a registered technique's axis; 1 when it has none)."""
+        if axis in _FIELD_AXES:
+            return getattr(self, axis)
+        return dict(self.axes).get(axis, 1)
+
+    def axis_sizes(self) -> dict[str, int]:
+        """Every axis of the grid and its size, outermost first: data parallel's replicas, context parallel's room
+        and each registered technique's axis. Their product is the world size (expert parallel borrows ranks)."""
+        positions = {"dp_replicate": 1, "cp": 3} | {t.axis.name: t.axis.position for t in TECHNIQUES if t.axis}
+        return {name: self.size(name) for name in sorted(positions, key=positions.__getitem__)}
+
     @property
     def dp(self) -> int:
         """Data-parallel size: the replicas of one batch (``dp_replicate x dp_shard``)."""
@@ -359,6 +375,8 @@ class ParallelDims:
 
 #: The name the first waves used; every attribute they read is still here.
 ParallelLayout = ParallelDims
+#: The axes with a field of their own in :class:`ParallelDims`.
+_FIELD_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 
 def _data_parallel(config: SGDTPConfig, dp: int, shard: int | None) -> dict[str, int]:

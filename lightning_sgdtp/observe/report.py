@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_sgdtp.compiler.buckets import Bucket, GraphBuckets
+from lightning_sgdtp.parallel import TECHNIQUES
 from lightning_sgdtp.trust.durable import write_atomically
 
 # A child of Lightning's logger: shown wherever Lightning's own info lines are, silenced with them.
@@ -136,6 +137,8 @@ def plan_dict(
         "world_size": world_size,
         "dp_size": dp_size,
         "tp_size": layout.tp if layout is not None else 1,
+        # every registered technique: its axis and size, its options
+        "techniques": {t.name: t.report(config, layout) for t in TECHNIQUES},
         "mesh_layout": layout.grid if layout is not None else None,
         "tensor_parallel_plan": parts.get("tensor_parallel_plan"),
         # what tensor parallel divides: split_fraction, held_fraction (of the parameter bytes), ...

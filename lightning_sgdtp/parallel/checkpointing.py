@@ -8,7 +8,11 @@ whole backward, recomputation included.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
+
+from lightning_sgdtp.parallel.technique import Problem, Technique
 
 
 def find_block_stack(module: nn.Module) -> tuple[str, nn.Module] | None:
@@ -61,3 +65,28 @@ def checkpoint_blocks(module: nn.Module, blocks_per_stage: list[list[str]]) -> l
         parent = module.get_submodule(owner)
         parent._modules[leaf] = checkpoint_wrapper(parent._modules[leaf], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     return found
+
+
+class Checkpointing(Technique):
+    """Each block recomputed in backward instead of keeping its activations: no axis, a step of the recipe."""
+
+    name = "checkpointing"
+    fields = ("activation_checkpointing",)
+    graph_fields = fields
+
+    def check(self, config: Any) -> Problem | None:
+        # an option check (config raises it): split parameters cannot be checkpointed yet
+        if config.parallelism not in ("data", "auto") and config.activation_checkpointing:
+            return Problem(
+                f"activation_checkpointing=True with parallelism={config.parallelism!r} is not available yet: on torch"
+                " 2.13 AOTAutograd cannot save a checkpointed region's split (DTensor) inputs (it fails at the first"
+                " step with 'expected all tensors_saved_with_vc_check to be Tensors'). Use activation_checkpointing"
+                " with parallelism='data', or a larger tensor_parallel_size to fit the activations.",
+                later=True,
+            )
+        if not isinstance(config.activation_checkpointing, bool):
+            return Problem(f"activation_checkpointing={config.activation_checkpointing!r} must be True or False.")
+        return None
+
+
+CHECKPOINTING = Checkpointing()

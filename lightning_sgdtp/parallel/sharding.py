@@ -36,7 +36,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_sgdtp.parallel.technique import Axis, Problem, Technique
+
 SHARDINGS = ("none", "optimizer", "full")
+#: The dtypes a collective may send in (``grad_comm_dtype``, ``param_gather_dtype``): None is the tensor's own.
+WIRE_DTYPES = {"fp32": None, "float32": None, "bf16": "bfloat16", "bfloat16": "bfloat16"}
 #: Attribute set on every parameter whose gradient the sharded read reduces (GradSync and the bucket pass skip it).
 MARK = "_sgdtp_sharded"
 
@@ -407,3 +411,75 @@ def held_bytes(module: nn.Module, optimizers: list[torch.optim.Optimizer] = ()) 
         for per_param in opt.state.values():
             state += sum(count(v) for v in per_param.values() if isinstance(v, Tensor) and v.dim() > 0)
     return {"parameters": params, "gradients": grads, "optimizer_state": state, "total": params + grads + state}
+
+
+# --------------------------------------------------------------------------------------- the technique
+class Sharding(Technique):
+    """Parameters, gradients and optimizer state split over the data-parallel ranks (ZeRO-3 / ZeRO-2), in groups
+    of ``shard_size`` with hybrid sharding."""
+
+    name = "sharding"
+    # the data-parallel ranks a parameter is split over; its replicas (dp_replicate) lie outside it
+    axis = Axis("dp_shard", position=2, splits_batch=True, averages_grads=True)
+    fields = ("sharding", "param_gather_dtype", "shard_size")
+    graph_fields = fields
+    searched = False  # the planner searches its modes and a node-sized shard_size, not an axis size
+
+    def check(self, config: Any) -> Problem | None:
+        # option checks (config raises them): a known mode, data-parallel ranks to split over
+        if config.sharding not in SHARDINGS:
+            return Problem(
+                f"sharding={config.sharding!r} is not known. Use one of {list(SHARDINGS)}: 'full' splits parameters,"
+                " gradients and optimizer state across the data-parallel ranks (ZeRO-3), 'optimizer' gradients and"
+                " optimizer state (ZeRO-2), 'none' keeps a whole replica per rank."
+            )
+        sharded = config.sharding != "none"
+        if sharded and config.parallelism == "tensor":  # parallelism='tensor' has no data-parallel ranks
+            return Problem(
+                f"sharding={config.sharding!r} splits over the data-parallel ranks, and parallelism='tensor' has none."
+                " Use parallelism='data' (or remove sharding)."
+            )
+        return self._check_size(config, sharded) or self._check_gather(config)
+
+    def _check_size(self, config: Any, sharded: bool) -> Problem | None:
+        size = config.shard_size
+        if size is None:
+            return None
+        if size != "node" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            return Problem(
+                f"shard_size={size!r}: use None (split over every data-parallel rank), 'node' (split inside"
+                " each node, replicate across nodes) or a positive int that divides the data-parallel size."
+            )
+        if not sharded:
+            return Problem(
+                f"shard_size={size!r} applies to sharded parameters: set sharding='full' or 'optimizer' (or"
+                " remove shard_size)."
+            )
+        # an option check: hybrid sharding of pipeline stages is not built
+        if config.pipelined:
+            return Problem(
+                f"shard_size={size!r} (hybrid sharding) with pipeline stages is not available yet. Use"
+                " parallelism='data' or 'hybrid' without pipeline_stages, or remove shard_size (every"
+                " data-parallel rank of a stage then holds one shard).",
+                later=True,
+            )
+        return None
+
+    def _check_gather(self, config: Any) -> Problem | None:
+        dtype = config.param_gather_dtype
+        if dtype is None:
+            return None
+        if dtype not in WIRE_DTYPES:
+            return Problem(
+                f"param_gather_dtype={dtype!r} is not supported. Use None (the parameter's own dtype) or 'bf16'."
+            )
+        # an option check: a gather dtype needs sharded parameters
+        if config.sharding == "none":
+            return Problem(
+                f"param_gather_dtype={dtype!r} applies to sharded parameters: set sharding='full' or 'optimizer' (or"
+                " remove param_gather_dtype)."
+            )
+        return None
+
+
+SHARDING = Sharding()

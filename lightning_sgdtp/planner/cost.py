@@ -57,6 +57,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_sgdtp.parallel import TECHNIQUES
 from lightning_sgdtp.planner.memory import Layout
 
 ADAMW_BYTES_PER_ELEMENT = 16  # read p, g, m, v; write p, m, v (4 bytes each, roughly)
@@ -275,6 +276,8 @@ class StepTime:
     tensor_parallel: float = 0.0
     data_parallel: float = 0.0  # exposed
     optimizer: float = 0.0
+    #: What registered techniques send beyond the parts above (``Technique.traffic``, over their axis's link).
+    technique_sends: float = 0.0
     samples: int = 1  # per step, over all ranks
     notes: list[str] = field(default_factory=list)
 
@@ -287,6 +290,7 @@ class StepTime:
             + self.tensor_parallel
             + self.data_parallel
             + self.optimizer
+            + self.technique_sends
         )
 
     @property
@@ -295,7 +299,8 @@ class StepTime:
 
     def to_dict(self) -> dict[str, Any]:
         parts = ("compute", "bubble", "pipeline_sends", "tensor_parallel", "data_parallel", "optimizer")
-        return {**{k: getattr(self, k) for k in parts}, "total": self.total, "samples": self.samples}
+        extra = {"technique_sends": self.technique_sends} if self.technique_sends else {}
+        return {**{k: getattr(self, k) for k in parts}, **extra, "total": self.total, "samples": self.samples}
 
 
 def stage_share(layout: Layout, blocks: int) -> float:
@@ -348,6 +353,10 @@ def step_time(
         out.data_parallel = _data_parallel_s(model, layout, hardware, devices_per_node, held_param_bytes, schedule, out)
     held_elements = held_param_bytes / 4 / (dp if layout.sharding != "none" else 1)
     out.optimizer = held_elements * ADAMW_BYTES_PER_ELEMENT / hardware.memory_bytes_per_s
+    for technique in TECHNIQUES:  # the registered techniques' own traffic (today's are priced above: none)
+        sent = technique.traffic(layout, act)
+        if sent and technique.axis is not None:
+            out.technique_sends += send_s(sent, hardware.link_for(layout.size(technique.axis.name), devices_per_node))
     return out
 
 

@@ -45,10 +45,11 @@ class Layout:
     pp: int = 1
     sharding: str = "none"
     shard_size: int | None = None
+    #: The sizes of registered techniques' axes that have no field here (name, size).
+    axes: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
-            value = getattr(self, name)
+        for name, value in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp), *self.axes):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name}={value!r} must be an integer >= 1 (the number of ranks in that dimension)")
         if self.sharding not in SHARDINGS:
@@ -62,12 +63,17 @@ class Layout:
         """Ranks a sharded parameter is split over (1 without sharding)."""
         return 1 if self.sharding == "none" else self.shard_size or self.dp
 
+    def size(self, axis: str) -> int:
+        """The ranks of ``axis`` (``"tp"``, ``"pp"``, or a registered technique's; 1 when it has none)."""
+        return getattr(self, axis) if axis in ("dp", "tp", "pp") else dict(self.axes).get(axis, 1)
+
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * math.prod(n for _, n in self.axes)
 
     def describe(self) -> str:
         sizes = [f"dp {self.dp}"] + [f"tp {self.tp}"] * (self.tp > 1) + [f"pp {self.pp}"] * (self.pp > 1)
+        sizes += [f"{name} {n}" for name, n in self.axes if n > 1]
         text = " x ".join(sizes)
         if self.sharding != "none":
             text += f", sharding={self.sharding}" + (f" in groups of {self.shard_size}" if self.shard_size else "")

@@ -17,13 +17,16 @@ user set stay fixed (``fixed``: ``{"tp": 2}``, ``{"sharding": "full"}``, ``{"che
 
 from __future__ import annotations
 
-import re
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
 
+from lightning_sgdtp.parallel import TECHNIQUES
 from lightning_sgdtp.parallel.pipeline.schedules import SCHEDULES, check_chunks
+from lightning_sgdtp.parallel.technique import Technique, searched_axes
 from lightning_sgdtp.planner.cost import (
     Hardware,
     ModelProfile,
@@ -34,52 +37,12 @@ from lightning_sgdtp.planner.cost import (
     tp_split_fraction,
 )
 from lightning_sgdtp.planner.memory import SHARDINGS, Layout, RankMemory, predict_memory
+from lightning_sgdtp.planner.units import PlannerInputError, parse_memory, size_text, time_text
 
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 CKPT_NOT_WITH_TP = "activation checkpointing with tensor parallel is not built yet (torch 2.13's AOTAutograd)"
 HSDP_NOT_WITH_PP = "hybrid sharding (shard_size) with pipeline stages is not built yet"
 #: What ``fixed`` may hold: the fields of a layout and of its schedule.
 FIXABLE = ("dp", "tp", "pp", "sharding", "shard_size", "checkpointing", "micro_batches", "pipeline", "stages_per_rank")
-
-
-class PlannerInputError(ValueError):
-    """A value the planner cannot use; the message names it and the fix."""
-
-
-def parse_memory(text: str | int) -> int:
-    """``"300MB"``, ``"80GB"``, ``"1.5GiB"`` (decimal and binary units, any case) as bytes; an int is bytes."""
-    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
-        return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]+)\s*", str(text))
-    unit = match.group(2).upper() if match else ""
-    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise PlannerInputError(
-            f"memory {text!r}: give a positive number with a unit, e.g. '300MB', '80GB' or '1.5GiB'"
-            f" (units: {', '.join(u if len(u) < 3 else u[0] + 'i' + u[2] for u in _UNITS)})"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def size_text(n: float) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1 (``312.0 KiB``, ``1.50 GiB``)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def time_text(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
 @dataclass
@@ -118,10 +81,6 @@ class Candidate:
         return out
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidate_layouts(world_size: int, devices_per_node: int, blocks: int) -> list[Candidate]:
     """Every layout of ``world_size`` ranks: the ones the strategy can build, the ones it cannot yet (``built``
     False, with the reason) and the impossible ones (``skipped``, with the reason)."""
@@ -131,19 +90,31 @@ def candidate_layouts(world_size: int, devices_per_node: int, blocks: int) -> li
             " the devices per node (whole nodes), both >= 1"
         )
     out = []
-    for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
-            dp = world_size // (tp * pp)
-            for sharding in SHARDINGS if dp > 1 else ("none",):
-                candidate = Candidate(Layout(dp=dp, tp=tp, pp=pp, sharding=sharding))
-                if tp > 1 and devices_per_node % tp:
-                    candidate.skipped = (
-                        f"tensor parallel stays inside a node: tp={tp} does not divide {devices_per_node}"
-                    )
-                elif pp > blocks:
-                    candidate.skipped = f"pp={pp} stages for {blocks} blocks: every stage needs one"
-                out.append(candidate)
+    for sizes, skipped in _axis_sizes(searched_axes(TECHNIQUES), world_size, devices_per_node, blocks):
+        dp = world_size // math.prod(sizes.values())
+        named = {k: v for k, v in sizes.items() if k in ("tp", "pp")}
+        axes = tuple((k, v) for k, v in sizes.items() if k not in named)
+        for sharding in SHARDINGS if dp > 1 else ("none",):
+            out.append(Candidate(Layout(dp=dp, sharding=sharding, axes=axes, **named), skipped=skipped))
     return out
+
+
+def _axis_sizes(
+    techniques: list[Technique], world_size: int, devices_per_node: int, blocks: int
+) -> Iterator[tuple[dict[str, int], str | None]]:
+    """Every combination of the searched axes' sizes (innermost first, each dividing the ranks the axes before it
+    leave), with the first reason one of them is left out (None: none)."""
+    if not techniques:
+        yield {}, None
+        return
+    first, rest = techniques[0], techniques[1:]
+    assert first.axis is not None
+    for size in first.sizes(world_size, devices_per_node, blocks):
+        if world_size % size:
+            continue
+        refused = first.refuses(size, devices_per_node, blocks)
+        for sizes, skipped in _axis_sizes(rest, world_size // size, devices_per_node, blocks):
+            yield {first.axis.name: size, **sizes}, refused or skipped
 
 
 def _schedules(layout: Layout, batch: int, devices_per_node: int, blocks: int) -> list[tuple[Layout, Schedule]]:
