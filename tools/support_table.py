@@ -328,7 +328,7 @@ def _trainer(mode: Mode, **trainer: Any) -> Any:
 
 
 def _engine(mode: Mode) -> type:
-    """The step engine the strategy picks for the mode (the one choice in ``SGDTPStrategy._engine_for``, on the same
+    """The step engine the strategy picks for the mode (the one choice in ``frontends/trainer.py``'s ``_step_engine``, on the same
     dims, resolved here as ``_configure_launcher`` resolves them before any process starts)."""
     from lightning_sgdtp.engine.compiled import CompiledStep
     from lightning_sgdtp.engine.pipelined import PipelinedStep

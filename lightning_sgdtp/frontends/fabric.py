@@ -1,8 +1,8 @@
 """``SGDTPFabricStrategy``: Fabric glue (``Fabric(strategy="sgdtp")``), beside the Trainer's ``SGDTPStrategy``.
 
-The same options (:class:`~lightning_sgdtp.config.SGDTPConfig`), processes and layout (:mod:`lightning_sgdtp.runtime.processes`),
-engine (:class:`~lightning_sgdtp.engine.compiled.CompiledStep`), gradient sync and checkpoints
-(:mod:`lightning_sgdtp.checkpoint.hooks`) as the Trainer strategy; only the hooks differ. Fabric has no
+The same options (:class:`~lightning_sgdtp.config.SGDTPConfig`), processes and layout, engine
+(:class:`~lightning_sgdtp.engine.compiled.CompiledStep`), gradient sync and checkpoints as the Trainer strategy: both
+delegate them to a :class:`~lightning_sgdtp.frontends.job.Job`; only the hooks differ. Fabric has no
 ``training_step``: the module ``fabric.setup`` returns runs its call (``_call_impl``: forward and its hooks)
 compiled by the ``"sgdtp"`` backend, so the gradient buckets are in the compiled backward ``fabric.backward`` runs;
 what the loop computes eagerly around it (the loss) is covered by the ledger. ``fabric.no_backward_sync`` runs
@@ -42,27 +42,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sgdtp.checkpoint import hooks as checkpoints
-from lightning_sgdtp.config import (
-    SGDTPConfig,
-    SGDTPConfigError,
-    check_fabric_options,
-    check_process_group_backend,
-    check_trainer_plugins,
-)
-from lightning_sgdtp.engine import model_settings
-from lightning_sgdtp.engine.base import BROADCAST_BUCKET_BYTES, EngineInputs
+from lightning_sgdtp.config import SGDTPConfigError, check_fabric_options
 from lightning_sgdtp.engine.compiled import CompiledStep
-from lightning_sgdtp.engine.parallelize import start_from_rank_0, to_device
+from lightning_sgdtp.engine.parallelize import to_device
 from lightning_sgdtp.engine.step_compile import check_not_compiled
-from lightning_sgdtp.frontends.job import FrontEnd, strategy_docs, strategy_signature
-from lightning_sgdtp.mesh.dims import ParallelDims
-from lightning_sgdtp.observe.report import PlanReport
-from lightning_sgdtp.observe.timeline import OPTIMIZER_LABEL, label
+from lightning_sgdtp.frontends.job import FrontEnd, Job, strategy_docs, strategy_signature
+from lightning_sgdtp.observe.timeline import label
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
-from lightning_sgdtp.planner.auto import given_options
-from lightning_sgdtp.runtime import processes
-from lightning_sgdtp.runtime.faults import FaultGuard
-from lightning_sgdtp.runtime.shutdown import ShutdownWatchdog
 
 #: The step Fabric's module runs compiled: the module's call, its forward hooks included (tensor parallel's).
 FABRIC_STEP = "_call_impl"
@@ -87,26 +73,15 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
         process_group_backend: str | None = None,
         **option_values: Any,
     ) -> None:
-        given = {k: v for k, v in option_values.items() if v is not None}
-        self._config = config = SGDTPConfig.from_options(options, **given)  # a bad option fails here, unspawned
-        check_fabric_options(config)
-        self._given, self._planner = given_options(options, given), None
-        check_process_group_backend(process_group_backend)
+        # A bad option fails here, unspawned. The compiled engine alone (no pipeline with Fabric); the job counts the
+        # optimizer steps (a Fabric loop has no global step).
+        self._job = Job(self, CompiledStep, options, option_values, process_group_backend, check=check_fabric_options)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             precision=precision,
         )
-        self._num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._dims: ParallelDims | None = None
-        self._engine: CompiledStep | None = None
-        self._report = PlanReport()
-        self._settings = model_settings.TrainingSettings()
-        self._step = 0  # optimizer steps taken
-        self._guard = FaultGuard(config.collective_timeout, step=lambda: self._step)
-        self._watchdog: ShutdownWatchdog | None = None
         self._backward_sync_control = _SGDTPBackwardSyncControl(self)
         #: id(parameter before setup) -> (a weak reference to it, its name): optimizers made before the split.
         self._names_before: dict[int, tuple[weakref.ref, str]] = {}
@@ -117,14 +92,12 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self._dims is None:
-            if self._config.planned:
-                raise SGDTPConfigError(
-                    "parallelism='auto' chooses the layout at fabric.setup(model): call fabric.setup_dataloaders(...)"
-                    " after it (the data-parallel size decides which samples each rank reads)."
-                )
-            return {"num_replicas": self.dp_size, "rank": self.global_rank}
-        return self._dims.sampler_kwargs(self.global_rank)
+        if self._job.dims is None and self._job.config.planned:
+            raise SGDTPConfigError(
+                "parallelism='auto' chooses the layout at fabric.setup(model): call fabric.setup_dataloaders(...)"
+                " after it (the data-parallel size decides which samples each rank reads)."
+            )
+        return self._job.sampler_kwargs()
 
     # ---------------------------------------------------------------------------------------- processes
     @override
@@ -136,53 +109,26 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
                 " compiled collectives run on torch.distributed's gloo (CPU) or NCCL (CUDA). Use"
                 " Fabric(accelerator='cpu') or Fabric(accelerator='cuda')."
             )
-        plugin = type(self.precision)
-        supported = plugin in (Precision, MixedPrecision, HalfPrecision)
-        check_trainer_plugins(None if supported else plugin.__name__, False, front="Fabric")
+        self._job.check_launch(type(self.precision), (Precision, MixedPrecision, HalfPrecision), False, "Fabric")
         assert self.cluster_environment is not None
-        self._check_sizes()
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _set_world_ranks(self) -> None:  # the name Fabric's connector calls
+        rank_zero_only.rank = utils_rank_zero_only.rank = self._job.set_world_ranks()
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
         self._set_world_ranks()
-        self._report.rank = self.global_rank
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        self._watchdog = processes.join(
-            self._config, self._cluster(), self._process_group_backend, self.root_device, self._guard, self._watchdog
-        )
-        _report_uncaught(self)  # Fabric has no on_exception: an error that ends this rank ends its peers too
-        atexit.register(_stop_heartbeat_at_exit, weakref.ref(self))  # nor a teardown call
-        if not self._config.planned:
+        self._job.start(_get_default_process_group_backend_for_device(self.root_device))
+        _report_uncaught(self._job)  # Fabric has no on_exception: an error that ends this rank ends its peers too
+        atexit.register(_stop_heartbeat_at_exit, weakref.ref(self._job))  # nor a teardown call
+        if not self._job.config.planned:
             self._lay_out(None)
 
-    def _cluster(self) -> processes.Cluster:
-        env = self.cluster_environment
-        assert env is not None
-        return processes.Cluster(
-            env.main_address, env.main_port, self.global_rank, self.num_processes, self.num_nodes, type(env).__name__,
-            env.world_size(),
-        )  # fmt: skip
-
     def _lay_out(self, module: nn.Module | None) -> None:
-        precision = str(self.precision.precision)
-        self._config, planner, self._dims, lines = processes.lay_out(
-            self._config, self._given, lambda: module, self._cluster(), self.root_device, precision, self._dims,
-            fixed={"pp": 1},
-        )  # fmt: skip
-        self._planner = planner or self._planner
-        for line in lines:
-            self._report.say(line)
-
-    def _set_world_ranks(self) -> None:  # the name Fabric's connector calls
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._job.lay_out(lambda: module, str(self.precision.precision), fixed={"pp": 1})
 
     # -------------------------------------------------------------------------------------------- setup
     @override
@@ -196,33 +142,28 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Lay ``module`` out (tensor parallel, sharding, checkpointing) and compile its call; returns the module
         Fabric wraps (its forward runs the compiled step)."""
+        job = self._job
         self._check_module(module)
-        if self._dims is None:  # parallelism="auto": planned for this module, on every rank alike
+        if job.dims is None:  # parallelism="auto": planned for this module, on every rank alike
             self._lay_out(module)
-        if self._config.activation_checkpointing and find_block_stack(module) is None:
+        if job.config.activation_checkpointing and find_block_stack(module) is None:
             raise SGDTPConfigError(no_block_stack_message(module))
-        assert self._dims is not None
         self._names_before = {id(p): (weakref.ref(p), n) for n, p in module.named_parameters()}
-        start_from_rank_0(module, BROADCAST_BUCKET_BYTES)
-        self._settings = model_settings.for_training(module, self._report.say)
-        inputs = EngineInputs(
-            self._config, self._dims, self.root_device, self._report, self._guard, None, self._process_group_backend
-        )
-        self._engine = engine = CompiledStep(module, inputs)
-        self._report.folder = Path.cwd()
-        self._report.say(
-            f"Fabric: parallelism={self._config.parallelism}: {self.world_size} ranks ({self.num_nodes} node(s) x"
-            f" {self.num_processes}), data-parallel group of {self.dp_size}, backend={self._process_group_backend};"
-            f" {type(module).__name__}'s call compiled (forward and its hooks), fabric.backward runs its compiled"
-            " backward"
+        job.prepare(module)
+        engine = job.engine_for(module)
+        job.report.folder = Path.cwd()
+        job.report.say(
+            f"Fabric: {job.describe()}; {type(module).__name__}'s call compiled (forward and its hooks),"
+            " fabric.backward runs its compiled backward"
         )
         self._clip = engine.setup(True, 1, step=FABRIC_STEP)  # by the norm over every shard: None for replicas alone
         return _SGDTPModule(module, self)
 
     def _check_module(self, module: nn.Module) -> None:
         """What Fabric lets through and the strategy cannot run: a second model, a compiled or wrapped one."""
-        if self._engine is not None:
-            again = "the same model" if self._engine.module is module else f"a second model ({type(module).__name__})"
+        engine = self._job.engine
+        if engine is not None:
+            again = "the same model" if engine.module is module else f"a second model ({type(module).__name__})"
             raise SGDTPConfigError(
                 f"fabric.setup() got {again}, but the sgdtp strategy runs one model per Fabric (one compiled step and"
                 " gradient sync): set up each model once, and put models trained together into one nn.Module."
@@ -247,19 +188,19 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """The optimizer of the set-up model: one made from the model before ``fabric.setup`` split its parameters
         (tensor parallel, sharding) is pointed at the split ones, by name."""
-        if self._engine is None:
+        if self._job.engine is None:
             raise SGDTPConfigError(
                 "fabric.setup_optimizers() was called before the model was set up. With the sgdtp strategy set up the"
                 " model first (model = fabric.setup_module(model)), then the optimizer made from its parameters"
                 " (optimizer = fabric.setup_optimizers(optimizer)), or both at once: fabric.setup(model, optimizer)."
             )
         self._point_at_split_parameters(optimizer)
-        self._engine.setup_optimizers([optimizer])
+        self._job.engine.setup_optimizers([optimizer])
         return optimizer
 
     def _point_at_split_parameters(self, optimizer: Optimizer) -> None:
-        assert self._engine is not None
-        module = self._engine.module
+        assert self._job.engine is not None
+        module = self._job.engine.module
         current = {id(p) for p in module.parameters()}
         by_name = {n.replace(_CHECKPOINT_WRAPPED, ""): p for n, p in module.named_parameters()}
         for group in optimizer.param_groups:
@@ -292,27 +233,27 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
         """What the set-up module's forward runs: the compiled step while training; eagerly under ``no_grad`` /
         ``eval()``, and for Fabric's redirected methods (``model.training_step(...)``: the ledger averages their
         gradients after backward)."""
-        engine = self._engine
+        engine = self._job.engine
         assert engine is not None
         training = torch.is_grad_enabled() and module.training
         if "forward" in module.__dict__ or not training:
             if "forward" in module.__dict__ and not self._said_eager:
                 self._said_eager = True
-                self._report.say(
+                self._job.report.say(
                     "a method other than forward (fabric_model.<method>(...)) runs eagerly: its gradients are"
                     " averaged after backward, not inside a compiled backward; call the model itself for the"
                     " compiled step"
                 )
             with engine.implicit_replication():
                 return module(*args, **kwargs)
-        engine.begin_step(self._step)
+        engine.begin_step(self._job.step())
         with label("sgdtp: forward"):
             return engine.training_step(args, kwargs, None, [])
 
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         # Fabric's Strategy.backward, with the gradient sync around the precision plugin's backward.
-        engine = self._engine
+        engine = self._job.engine
         if engine is None:
             return super().backward(tensor, module, *args, **kwargs)
         self.precision.pre_backward(tensor, module)
@@ -323,17 +264,10 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        engine = self._engine
-        if engine is None:
-            return super().optimizer_step(optimizer, **kwargs)
-        engine.begin_step(self._step)
-        with self._guard("optimizer_step"), label(OPTIMIZER_LABEL):
-            out = super().optimizer_step(optimizer, **kwargs)
-        engine.after_optimizer_step(optimizer, self.global_rank)
-        self._step += 1
-        with label("sgdtp: publish plan"):
-            self._report.publish(lambda: self.plan, engine.plan_token())
-        return out
+        step = super().optimizer_step
+        if self._job.engine is None:
+            return step(optimizer, **kwargs)
+        return self._job.optimizer_step(optimizer, lambda: step(optimizer, **kwargs))
 
     @override
     def clip_gradients_norm(
@@ -354,10 +288,8 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
     # -------------------------------------------------------------------------------------- collectives
     @override
     def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
-            with self._guard("all_reduce"):
-                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        sync = lambda t: _sync_ddp_if_available(t, group, reduce_op=reduce_op)
+        return self._job.reduce(tensor, sync, "all_reduce")
 
     # -------------------------------------------------------------------------------------- checkpoints
     @override
@@ -382,15 +314,13 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
             )
         from lightning_sgdtp.checkpoint.fabric_layout import to_trainer_layout
 
-        module = self._engine.module if self._engine is not None else None
-        checkpoint = to_trainer_layout(state, module, by_name=self._sharded())
-        if self._sharded() and "state_dict" in checkpoint:
-            assert self._engine is not None
-            checkpoint["state_dict"] = self._engine.local_state_dict(checkpoint["state_dict"])
-        if self._sharded():
-            return self._checkpoints().save(checkpoint, path)
+        job = self._job
+        module = job.engine.module if job.engine is not None else None
+        checkpoint = to_trainer_layout(state, module, by_name=job.sharded_checkpoints)
+        if job.sharded_checkpoints:
+            return job.save_sharded(checkpoint, path)
         if self.is_global_zero:
-            checkpoints.save_file(checkpoint, Path(path), self._config.signing_key)
+            checkpoints.save_file(checkpoint, Path(path), job.config.signing_key)
         return None
 
     @override
@@ -405,37 +335,22 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
         rest is returned."""
         from lightning_sgdtp.checkpoint.fabric_layout import from_trainer_layout
 
-        path = Path(self.broadcast(str(path)))
+        config = self._job.config
         module, optimizers = _module_and_optimizers(state)
 
         def load_file(p: Path) -> dict[str, Any]:
-            if self._config.verify_artifacts:
-                checkpoints.verify_file(p, self._config.trusted_key)
+            if config.verify_artifacts:
+                checkpoints.verify_file(p, config.trusted_key)
             return torch.load(p, map_location="cpu", weights_only=bool(weights_only))
 
-        rest, loaded = self._checkpoints().load(
-            path, module, optimizers, weights_only, load_file, on_mesh=self._sharded(), partial_optimizer=False
-        )
+        rest, loaded = self._job.load(path, module, optimizers, weights_only, load_file)
         return from_trainer_layout(rest, state, loaded, strict, self.load_module_state_dict)
-
-    def _sharded(self) -> bool:
-        return self._dims is not None and self._dims.sharded_checkpoints
-
-    def _checkpoints(self) -> checkpoints.ShardedCheckpoints:
-        return checkpoints.ShardedCheckpoints(self._config, self.global_rank, self.broadcast, self.barrier, self._guard)
 
     # ------------------------------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
         """Undo what setup installed (Fabric does not call it: ``fabric.strategy.teardown()``, or at exit)."""
-        self._settings.restore()
-        if self._engine is not None:
-            self._engine.teardown(self.barrier if not self._guard.failed else lambda name: None)
-            self._engine = None
-        self._guard.close()
-        if self._watchdog is not None:
-            self._watchdog.close()
-            self._watchdog = None
+        self._job.teardown(forget=True)
         super().teardown()
 
 
@@ -496,25 +411,23 @@ def _pending_fabric_compile() -> bool:
     return False
 
 
-def _stop_heartbeat_at_exit(ref: weakref.ref[SGDTPFabricStrategy]) -> None:
+def _stop_heartbeat_at_exit(ref: weakref.ref[Job]) -> None:
     """A script that ends without ``fabric.strategy.teardown()``: the heartbeat thread stops, and the peers learn
     that this rank left on purpose, before the interpreter finalizes (no collective: the peers may be gone)."""
-    strategy = ref()
-    if strategy is not None:
+    job = ref()
+    if job is not None:
         with contextlib.suppress(Exception):
-            strategy._guard.close()
+            job.guard.close()
 
 
-def _report_uncaught(strategy: SGDTPFabricStrategy) -> None:
+def _report_uncaught(job: Job) -> None:
     """An exception that ends this rank's script is told to the peers first (they stop within seconds, naming it):
     Fabric has no ``on_exception`` hook."""
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         with contextlib.suppress(Exception):
-            strategy._guard.report(exc)
-            if strategy._watchdog is not None:
-                strategy._watchdog.failed(exc)
+            job.failed(exc)
         previous(kind, exc, tb)
 
     if getattr(previous, "_sgdtp", False):

@@ -1,7 +1,11 @@
-"""What the two front ends' strategies share (the Trainer's ``SGDTPStrategy`` and Fabric's ``SGDTPFabricStrategy``),
-without importing Lightning: a mixin placed before Lightning's ``ParallelStrategy`` in each class. Properties read
-the strategy's own fields (``_config``, ``_dims``, ``_engine``, ...); collectives go through :mod:`lightning_sgdtp.sync.comm`
-under the fault guard, so that a lost peer is named.
+"""The core both front ends run (the Trainer's ``SGDTPStrategy`` and Fabric's ``SGDTPFabricStrategy``), without
+importing Lightning, so that the two cannot drift: :class:`Job` owns the options, the dimensions, the engine, the
+report, the fault guard, the shutdown watchdog and the preemption agreement, and does once what each strategy would
+do again (launch checks, joining the process group and laying out, making the engine, the optimizer step's
+bookkeeping, collectives under the fault guard, sharded checkpoints, the failure report, teardown). A strategy holds
+one (``self._job``), keeps Lightning's vocabulary and delegates; what Lightning knows of the processes (ranks,
+devices, the cluster environment) the job reads from its strategy (:class:`Host`). :class:`FrontEnd` is the face
+both strategies show their users, read from the job; ``strategy_signature``/``strategy_docs``: their options.
 """
 
 from __future__ import annotations
@@ -11,34 +15,320 @@ import inspect
 import textwrap
 import typing
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+from torch import Tensor, nn
 
-from lightning_sgdtp.config import SGDTPConfig
+from lightning_sgdtp.checkpoint.hooks import ShardedCheckpoints
+from lightning_sgdtp.config import SGDTPConfig, check_process_group_backend, check_trainer_plugins
+from lightning_sgdtp.engine import model_settings
+from lightning_sgdtp.engine.base import BROADCAST_BUCKET_BYTES, EngineInputs, StepEngine
+from lightning_sgdtp.engine.parallelize import start_from_rank_0
 from lightning_sgdtp.mesh.dims import ParallelDims
-from lightning_sgdtp.observe.report import plan_dict
+from lightning_sgdtp.observe.report import PlanReport, plan_dict
+from lightning_sgdtp.observe.timeline import OPTIMIZER_LABEL, label
+from lightning_sgdtp.planner.auto import given_options
+from lightning_sgdtp.runtime import processes
+from lightning_sgdtp.runtime.faults import FaultGuard
+from lightning_sgdtp.runtime.preemption import Preempted, PreemptionCoordinator
+from lightning_sgdtp.runtime.shutdown import ShutdownWatchdog
 from lightning_sgdtp.sync import comm
 
 
-class FrontEnd:
-    """The strategy's fields both front ends keep, and what reads them."""
+class Host(Protocol):
+    """What a job reads from its strategy: Lightning knows the processes (its cluster environment and devices)."""
 
-    _config: SGDTPConfig
-    _dims: ParallelDims | None
-    _engine: Any
-    _num_nodes: int
-    _process_group_backend: str | None
-    _planner: dict[str, Any] | None
-    _report: Any
-    _guard: Any
+    cluster_environment: Any
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def node_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def num_processes(self) -> int: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+
+class Job:
+    """One training job as both front ends run it, without Lightning.
+
+    Args:
+        host: the strategy that holds the job (ranks, devices, cluster environment).
+        make_engine: makes a module's engine (the front end names the engines it runs: the Trainer's picks the
+            pipelined one with pipeline options, Fabric's runs the compiled one).
+        options: the design documents' ``{"distributed": {"plugin": "sgdtp", ...}}``, or None.
+        option_values: the options given by keyword (None: the option's default); they win over ``options``.
+        process_group_backend: torch.distributed's backend, or None (nccl on GPUs, gloo on CPU).
+        step: the step a failure and the engine name (the Trainer's global step); None: the optimizer steps this
+            job counted (a Fabric loop has no step of its own).
+        check: what the front end refuses in the options beyond the rest (Fabric: pipeline stages).
+
+    A bad option fails here, in the launching process, before any process starts.
+    """
+
+    def __init__(
+        self,
+        host: Host,
+        make_engine: Callable[[nn.Module, EngineInputs], StepEngine],
+        options: dict[str, Any] | None,
+        option_values: dict[str, Any],
+        process_group_backend: str | None,
+        step: Callable[[], int] | None = None,
+        check: Callable[[SGDTPConfig], None] | None = None,
+    ) -> None:
+        # The options' parameters are SGDTPConfig's fields (the strategies' signature is made from them): unknown
+        # names and bad values fail in from_options, with the known names listed.
+        given = {k: v for k, v in option_values.items() if v is not None}
+        self.host, self._make_engine = host, make_engine
+        self.config = SGDTPConfig.from_options(options, **given)
+        if check is not None:
+            check(self.config)
+        self.given = given_options(options, given)  # what parallelism="auto" keeps fixed
+        self.planner: dict[str, Any] | None = None
+        check_process_group_backend(process_group_backend)
+        self.num_nodes = 1
+        self.process_group_backend = process_group_backend
+        self.dims: ParallelDims | None = None
+        self.engine: StepEngine | None = None
+        self.report = PlanReport()
+        self.settings = model_settings.TrainingSettings()
+        self.steps = 0  # optimizer steps taken
+        self._step = step
+        self.guard = FaultGuard(self.config.collective_timeout, step=self.step)
+        self.watchdog: ShutdownWatchdog | None = None
+        self.preemption: PreemptionCoordinator | None = None
+
+    def step(self) -> int:
+        """The step a failure and the engine name: the Trainer's global step, else the optimizer steps taken."""
+        return self._step() if self._step is not None else self.steps
+
+    # ----------------------------------------------------------------------------------------------- what it is
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp if self.dims is not None else self.num_nodes * self.host.num_processes
+
+    @property
+    def plan(self) -> dict[str, Any]:
+        """Everything the plugin decided, as plain data (also written to ``sgdtp_plan.json`` next to the logs)."""
+        return plan_dict(
+            self.config, self.dims, self.engine, self.report.graph_breaks, world_size=self.host.world_size,
+            dp_size=self.dp_size, num_nodes=self.num_nodes, process_group_backend=self.process_group_backend,
+            planner=self.planner,
+        )  # fmt: skip
+
+    def describe(self) -> str:
+        """The start of the rank-0 line that says how the job runs (each front end completes it)."""
+        host = self.host
+        return (
+            f"parallelism={self.config.parallelism}: {host.world_size} ranks ({self.num_nodes} node(s) x"
+            f" {host.num_processes}), data-parallel group of {self.dp_size}, backend={self.process_group_backend}"
+        )
+
+    def sampler_kwargs(self) -> dict[str, Any]:
+        """Sized by the data-parallel group: the ranks of one tensor-parallel group read the same batches."""
+        if self.dims is None:
+            return {"num_replicas": self.dp_size, "rank": self.host.global_rank}
+        return self.dims.sampler_kwargs(self.host.global_rank)
+
+    # ------------------------------------------------------------------------------------------------ processes
+    def check_launch(self, precision: type, supported: tuple[type, ...], layer_sync: bool, front: str) -> None:
+        """In the launching process, before any process starts: what ``front`` (``"Trainer"``, ``"Fabric"``) adds
+        that the strategy cannot run (a precision plugin not in ``supported``; ``layer_sync``: sync_batchnorm), and
+        sizes that cannot work (with ``parallelism="auto"``: at setup, once the planner chose)."""
+        check_trainer_plugins(None if precision in supported else precision.__name__, layer_sync, front=front)
+        assert self.host.cluster_environment is not None
+        n = self.host.num_processes
+        if not self.config.planned:
+            ParallelDims.resolve(self.config, self.num_nodes * n, n, self.num_nodes)
+
+    def set_world_ranks(self) -> int:
+        """This process's rank and the world's size, told to the cluster environment; returns the global rank."""
+        env, host = self.host.cluster_environment, self.host
+        if env is not None:
+            env.set_global_rank(host.node_rank * host.num_processes + host.local_rank)
+            env.set_world_size(self.num_nodes * host.num_processes)
+        return host.global_rank
+
+    def start(self, default_backend: str, requeue_signal: int | None = None) -> None:
+        """Once the processes exist: join the process group (``default_backend`` unless one was named), start the
+        fault guard and the shutdown watchdog; ``requeue_signal``: SLURM's, agreed on by the ranks (preemption)."""
+        self.report.rank = self.host.global_rank
+        self.process_group_backend = self.process_group_backend or default_backend
+        if requeue_signal is not None and self.preemption is None:
+            self.preemption = PreemptionCoordinator(requeue_signal)
+        ignore = (self.preemption.signum,) if self.preemption else ()
+        device = self.host.root_device
+        self.watchdog = processes.join(
+            self.config, self.cluster(), self.process_group_backend, device, self.guard, self.watchdog, ignore
+        )
+
+    def cluster(self) -> processes.Cluster:
+        env, host = self.host.cluster_environment, self.host
+        assert env is not None
+        return processes.Cluster(
+            env.main_address, env.main_port, host.global_rank, host.num_processes, self.num_nodes, type(env).__name__,
+            env.world_size(),
+        )  # fmt: skip
+
+    def lay_out(
+        self, module: Callable[[], nn.Module | None], precision: str, fixed: dict[str, Any] | None = None
+    ) -> None:
+        """The layout (the planner's, for ``module()``, with ``parallelism="auto"``), the dimensions and meshes;
+        ``fixed``: what the front end fixes for the planner (Fabric: no pipeline)."""
+        self.config, planner, self.dims, lines = processes.lay_out(
+            self.config, self.given, module, self.cluster(), self.host.root_device, precision, self.dims, fixed=fixed
+        )
+        self.planner = planner or self.planner
+        for line in lines:
+            self.report.say(line)
+
+    # ---------------------------------------------------------------------------------------------------- setup
+    def prepare(self, module: nn.Module) -> None:
+        """Every rank starts from rank 0's weights; the training settings the options ask for are applied (and
+        undone at teardown)."""
+        start_from_rank_0(module, BROADCAST_BUCKET_BYTES)
+        self.settings = model_settings.for_training(module, self.report.say)
+
+    def engine_for(self, module: nn.Module | None) -> StepEngine:
+        """The engine of this module, made once (a second trainer function on the same module keeps it)."""
+        assert module is not None and self.dims is not None
+        if self.engine is None or self.engine.module is not module:
+            inputs = EngineInputs(
+                self.config, self.dims, self.host.root_device, self.report, self.guard, self.preemption,
+                self.process_group_backend,
+            )  # fmt: skip
+            self.engine = self._make_engine(module, inputs)
+        return self.engine
+
+    # ---------------------------------------------------------------------------------------------------- steps
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, run: Callable[[], Any]) -> Any:
+        """Lightning's optimizer step (``run``; the closure inside it runs the training step: the step starts
+        here) under the fault guard; then the step's coverage proof and the plan file. Returns what ``run`` did."""
+        engine = self.engine
+        assert engine is not None
+        engine.begin_step(self.step())
+        with self.guard("optimizer_step"), label(OPTIMIZER_LABEL):
+            out = run()
+        engine.after_optimizer_step(optimizer, self.host.global_rank)
+        self.steps += 1
+        if engine.grad_sync is not None:
+            with label("sgdtp: publish plan"):
+                self.report.publish(lambda: self.plan, engine.plan_token())
+        return out
+
+    # ---------------------------------------------------------------------------------------------- collectives
+    def reduce(self, tensor: Any, sync: Callable[[Tensor], Tensor], phase: str) -> Any:
+        """``sync(tensor)`` (Lightning's all-reduce) under the fault guard, named ``phase``; a non-tensor as it is."""
+        if isinstance(tensor, Tensor):
+            with self.guard(phase):
+                return sync(tensor)
+        return tensor
+
+    def barrier(self, name: str = "") -> None:
+        comm.barrier(self.guard, name, self.host.root_device)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return comm.broadcast_object(self.guard, obj, src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return comm.all_gather_object(self.guard, obj)
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    @property
+    def sharded_checkpoints(self) -> bool:
+        return self.dims is not None and self.dims.sharded_checkpoints
+
+    def checkpoints(self) -> ShardedCheckpoints:
+        return ShardedCheckpoints(self.config, self.host.global_rank, self.broadcast, self.barrier, self.guard)
+
+    def save_sharded(self, checkpoint: dict[str, Any], path: Any) -> None:
+        """A sharded folder: every rank writes its shards or, with a pipeline, its stages (its copy of the others'
+        is stale)."""
+        if "state_dict" in checkpoint:
+            assert self.engine is not None
+            checkpoint = {**checkpoint, "state_dict": self.engine.local_state_dict(checkpoint["state_dict"])}
+        self.checkpoints().save(checkpoint, path)
+
+    def load(
+        self,
+        path: Any,
+        module: nn.Module | None,
+        optimizers: list[torch.optim.Optimizer],
+        weights_only: bool | None,
+        load_file: Callable[[Path], dict[str, Any]],
+    ) -> tuple[dict[str, Any], bool]:
+        """Either format, on any layout: a sharded folder is read by DCP (each rank its part), a one-file
+        checkpoint (``load_file``) is split for this mesh. Returns the rest of the checkpoint and whether the model
+        and optimizer states were loaded here."""
+        path = Path(self.broadcast(str(path)))
+        return self.checkpoints().load(
+            path, module, optimizers, weights_only, load_file, on_mesh=self.sharded_checkpoints,
+            partial_optimizer=self.dims is not None and self.dims.pp_enabled,  # a stage's optimizer: its part
+        )  # fmt: skip
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
+        """The whole model's state dict as plain tensors, on every rank (a collective)."""
+        from torch.distributed.tensor import DTensor
+
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+        return self.engine.full_state_dict(state) if self.engine is not None else state
+
+    # ------------------------------------------------------------------------------------------ faults, the end
+    def failed(self, exception: BaseException) -> None:
+        """An error that ends this rank is told to the peers (they stop within seconds, naming it) and to the
+        shutdown watchdog; an agreed preemption is no failure."""
+        if isinstance(exception, Preempted):
+            return
+        self.guard.report(exception)
+        if self.watchdog is not None:
+            self.watchdog.failed(exception)
+
+    def preempt_if_agreed(self, trainer: Any) -> None:
+        """At the end of a step the ranks agreed on: save the preemption checkpoint, requeue, stop."""
+        if self.preemption is not None and self.preemption.agreed:
+            self.preemption.preempt(trainer, self.broadcast, self.host.global_rank, self.report.say)
+
+    def teardown(self, forget: bool = False) -> None:
+        """Undo what setup installed: the training settings, the engine's changes, the preemption signal, the
+        fault guard's heartbeat, the watchdog. ``forget``: drop the engine and the watchdog too (a later setup
+        starts afresh)."""
+        self.settings.restore()
+        if self.engine is not None:
+            # After a failure no collective: a peer may never come (it failed too, or waits elsewhere).
+            self.engine.teardown(self.barrier if not self.guard.failed else lambda name: None)
+        if self.preemption is not None:
+            self.preemption.close()
+            self.preemption = None
+        self.guard.close()
+        if self.watchdog is not None:
+            self.watchdog.close()
+        if forget:
+            self.engine, self.watchdog = None, None
+
+
+class FrontEnd:
+    """The properties and collectives both strategies show, read from their job (``self._job``): a mixin placed
+    before Lightning's ``ParallelStrategy``; it holds nothing of its own."""
+
+    _job: Job
     parallel_devices: list[torch.device] | None
     local_rank: int
-    world_size: int
 
     @property
     def config(self) -> SGDTPConfig:
-        return self._config
+        return self._job.config
 
     @property
     def root_device(self) -> torch.device:
@@ -47,11 +337,11 @@ class FrontEnd:
 
     @property
     def num_nodes(self) -> int:
-        return self._num_nodes
+        return self._job.num_nodes
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
+        self._job.num_nodes = num_nodes
 
     @property
     def num_processes(self) -> int:
@@ -60,45 +350,35 @@ class FrontEnd:
     @property
     def dims(self) -> ParallelDims | None:
         """Every parallel dimension, the rank grid and the meshes (known once the processes exist)."""
-        return self._dims
+        return self._job.dims
 
     @property
     def engine(self) -> Any:
         """What runs the steps: the compiled engine or the pipelined one (chosen at setup)."""
-        return self._engine
+        return self._job.engine
 
     @property
     def grad_sync(self) -> Any:
-        return self._engine.grad_sync if self._engine is not None else None
+        return self._job.engine.grad_sync if self._job.engine is not None else None
 
     @property
     def dp_size(self) -> int:
-        return self._dims.dp if self._dims is not None else self.num_nodes * self.num_processes
+        return self._job.dp_size
 
     @property
     def process_group_backend(self) -> str | None:
-        return self._process_group_backend
+        return self._job.process_group_backend
 
     @property
     def plan(self) -> dict[str, Any]:
         """Everything the plugin decided, as plain data (also written to ``sgdtp_plan.json`` next to the logs)."""
-        return plan_dict(
-            self._config, self._dims, self._engine, self._report.graph_breaks, world_size=self.world_size,
-            dp_size=self.dp_size, num_nodes=self.num_nodes, process_group_backend=self._process_group_backend,
-            planner=self._planner,
-        )  # fmt: skip
-
-    def _check_sizes(self) -> None:
-        """Sizes that cannot work fail here, in the launching process, before any process starts (with
-        ``parallelism="auto"``: at setup, once the planner chose)."""
-        if not self._config.planned:
-            ParallelDims.resolve(self._config, self.num_nodes * self.num_processes, self.num_processes, self.num_nodes)
+        return self._job.plan
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        comm.barrier(self._guard, args[0] if args else "", self.root_device)
+        self._job.barrier(args[0] if args else "")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return comm.broadcast_object(self._guard, obj, src)
+        return self._job.broadcast(obj, src)
 
 
 def strategy_signature(init: Callable[..., None]) -> inspect.Signature:

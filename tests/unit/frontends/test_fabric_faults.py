@@ -16,10 +16,9 @@ from lightning_sgdtp.frontends import fabric as fabric_strategy
 def test_an_uncaught_error_is_reported_to_the_peers_then_printed(monkeypatch: pytest.MonkeyPatch) -> None:
     reported, printed = [], []
     monkeypatch.setattr(sys, "excepthook", lambda kind, exc, tb: printed.append(exc))
-    guard = SimpleNamespace(report=reported.append)
-    strategy = SimpleNamespace(_guard=guard, _watchdog=None)
-    fabric_strategy._report_uncaught(strategy)
-    fabric_strategy._report_uncaught(strategy)  # installed once: a second setup does not chain it twice
+    job = SimpleNamespace(failed=reported.append)  # the strategy's Job: tells the fault guard and the watchdog
+    fabric_strategy._report_uncaught(job)
+    fabric_strategy._report_uncaught(job)  # installed once: a second setup does not chain it twice
     error = RuntimeError("boom on this rank")
     sys.excepthook(RuntimeError, error, None)
     assert reported == [error] and printed == [error]
@@ -64,19 +63,19 @@ def test_an_accelerator_the_backend_does_not_run_on_is_refused_when_fabric_is_ma
 
 
 def test_the_heartbeat_stops_at_exit_without_a_teardown_call() -> None:
-    """Fabric never calls teardown: at exit the strategy closes its fault guard (heartbeat thread stopped, the rank
-    marked as left on purpose); a strategy already gone is skipped."""
+    """Fabric never calls teardown: at exit the strategy's job closes its fault guard (heartbeat thread stopped, the
+    rank marked as left on purpose); a job already gone is skipped."""
     import weakref
 
     closed = []
 
-    class Strategy:
-        _guard = SimpleNamespace(close=lambda: closed.append(True))
+    class Job:
+        guard = SimpleNamespace(close=lambda: closed.append(True))
 
-    strategy = Strategy()
-    fabric_strategy._stop_heartbeat_at_exit(weakref.ref(strategy))
+    job = Job()
+    fabric_strategy._stop_heartbeat_at_exit(weakref.ref(job))
     assert closed == [True]
-    gone = Strategy()
+    gone = Job()
     ref = weakref.ref(gone)
     del gone
     fabric_strategy._stop_heartbeat_at_exit(ref)
