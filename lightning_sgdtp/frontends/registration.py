@@ -3,9 +3,9 @@
 Lightning ships the same trainer under two namespaces: ``lightning.pytorch`` and the standalone
 ``pytorch_lightning`` (whose classes are distinct: a ``lightning.pytorch`` strategy is not a
 ``pytorch_lightning`` strategy). ``lightning_sgdtp/frontends/trainer.py`` is written against
-``lightning.pytorch``/``lightning.fabric`` and is the only module of this package that imports
-Lightning. For ``pytorch_lightning`` we build a *twin* the way Lightning itself produces
-``pytorch_lightning`` from the ``lightning.pytorch`` sources: the source text of ``strategy.py`` is
+``lightning.pytorch``/``lightning.fabric`` and is, with Fabric's, the only module of this package that imports
+Lightning (the core they share, ``frontends/job.py``, does not). For ``pytorch_lightning`` we build a *twin* the way Lightning itself produces
+``pytorch_lightning`` from the ``lightning.pytorch`` sources: the source text of ``trainer.py`` is
 rewritten (``lightning.pytorch`` -> ``pytorch_lightning``, ``lightning.fabric`` ->
 ``lightning_fabric``) and executed as the module ``lightning_sgdtp._pl_strategy``.
 
@@ -73,7 +73,7 @@ def _source_spec(source_module: str) -> importlib.machinery.ModuleSpec:
 
 
 class _PLTwinLoader(importlib.abc.Loader):
-    """Executes the rewritten source of a strategy module (``strategy.py``, ``fabric_strategy.py``) as its twin."""
+    """Executes the rewritten source of a strategy module (``frontends/trainer.py``, ``frontends/fabric.py``) as its twin."""
 
     def __init__(self, source_spec: importlib.machinery.ModuleSpec) -> None:
         self.source_spec = source_spec

@@ -1,9 +1,9 @@
 """``SGDTPStrategy``: Lightning glue. Each hook delegates in a few lines; the algorithms live elsewhere.
 
-The only module that imports Lightning (``_registration`` derives the ``pytorch_lightning`` twin from this
-source). Loops, callbacks, logging and checkpoint files stay Lightning's. The strategy owns the processes (as
-``DDPStrategy``) and hands the rest, once, to its :class:`~lightning_sgdtp.frontends.job.Job`, the core it shares with Fabric's strategy: the
-dimensions and their meshes (``mesh.dims.ParallelDims``), an engine (``engine.compiled.CompiledStep`` or
+With ``frontends/fabric.py`` the only module that imports Lightning (``frontends/registration.py`` derives the
+``pytorch_lightning`` twin from this source). Loops, callbacks, logging and checkpoint files stay Lightning's. The
+strategy owns the processes (as ``DDPStrategy``) and hands the rest, once, to its
+:class:`~lightning_sgdtp.frontends.job.Job`, the core it shares with Fabric's strategy: the dimensions and their meshes (``mesh.dims.ParallelDims``), an engine (``engine.compiled.CompiledStep`` or
 ``engine.pipelined.PipelinedStep``, each with its ``GradSync``, optimizer updates and timeline), the report
 (``observe.report.PlanReport``), faults and preemption, and sharded checkpoints. Here stays what only the Trainer has:
 hook signatures, the precision plugin around backward, the eval steps, checkpoint IO, the resumable loader and the
