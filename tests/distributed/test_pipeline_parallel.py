@@ -224,13 +224,14 @@ def test_every_rank_logs_what_the_reference_logs(name: str, tmp_path_factory: py
     r = result(name, tmp_path_factory)
     ref = r["ref_metrics"]
     final = [phases[-1] for phases in r["info"]["metrics"]]
-    dp = r["info"]["plans"][0]["pipeline"]["dp_size"]
+    dp, tp = (r["info"]["plans"][0]["pipeline"][k] for k in ("dp_size", "tp_size"))
     # self.log("train_loss", prog_bar=True) in training_step: the mean over the micro-batches, shown on every rank
     # of the pipeline (the same value); without sync_dist each pipeline logs its own batch's (as with DDP), so
-    # the pipelines' mean is the global batch's loss. Rank r is stage r // dp of pipeline r % dp.
+    # the pipelines' mean is the global batch's loss. Rank r is stage r // (dp * tp) of pipeline r // tp % dp
+    # (tensor parallel innermost: docs/architecture.md's worked examples); pipeline p's first rank is p * tp.
     for rank, metrics in enumerate(final):
-        assert metrics["train_loss"] == final[rank % dp]["train_loss"], (rank, final)
-    mean = sum(final[p]["train_loss"] for p in range(dp)) / dp
+        assert metrics["train_loss"] == final[rank // tp % dp * tp]["train_loss"], (rank, final)
+    mean = sum(final[p * tp]["train_loss"] for p in range(dp)) / dp
     assert abs(mean - ref["train_loss"]) < LOSS_TOL[case.precision], (final, ref)
     if "val_loss" in ref:  # validation ran through the pipeline; sync_dist and a torchmetrics metric: all ranks
         for rank, metrics in enumerate(final):
