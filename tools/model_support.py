@@ -270,6 +270,14 @@ def main() -> None:
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     results: dict[str, dict[str, dict[str, Any]]] = {}
     saved = args.results
+    if (
+        not args.render
+        and args.out.resolve() != REPO / "docs" / "model-support.md"
+        and saved.resolve() == REPO / "docs" / "model-support.json"
+    ):
+        # A page written elsewhere (a subset, a check) keeps its cells beside it: the repo's matrix stays whole.
+        saved = args.out.with_suffix(".json")
+        print(f"cells go to {saved} (--out is not the repo's page; --results names another file)")
     args.work.mkdir(parents=True, exist_ok=True)
     jobs = max(1, args.jobs)
     if args.resume and saved.exists():
