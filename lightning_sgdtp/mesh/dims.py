@@ -34,6 +34,7 @@ from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.mesh.topology import Topology, TopologyError, rank_layout
 from lightning_sgdtp.parallel import TECHNIQUES
 from lightning_sgdtp.parallel.pipeline.schedules import pipeline_stages
+from lightning_sgdtp.parallel.technique import divisors
 
 
 @dataclass(frozen=True)
@@ -408,7 +409,7 @@ def pipeline_size(requested: int | None, world_size: int, num_nodes: int) -> int
         raise SGDTPConfigError(
             f"pipeline_stages={pp} must divide the {world_size} ranks (devices x num_nodes) and be >= 2:"
             f" {world_size} ranks make {world_size // max(pp, 1)} pipeline(s) of {pp} only when {pp} divides"
-            f" {world_size}. Use pipeline_stages from {[d for d in range(2, world_size + 1) if world_size % d == 0]}."
+            f" {world_size}. Use pipeline_stages from {divisors(world_size)[1:]}."
         )
     return pp
 

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_sgdtp.parallel.technique import divisors
+
 __all__ = [
     "LINK_RANK",
     "Topology",
@@ -446,7 +448,7 @@ def detect(device_type: str, devices_per_node: int, num_nodes: int) -> Topology:
 
 
 def _divisors(n: int) -> str:
-    found = [str(d) for d in range(1, n + 1) if n % d == 0]
+    found = [str(d) for d in divisors(n)]
     return found[0] if len(found) == 1 else ", ".join(found[:-1]) + " or " + found[-1]
 
 

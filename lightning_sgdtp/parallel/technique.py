@@ -108,6 +108,11 @@ class Technique:
         return 0.0
 
 
+def divisors(n: int) -> list[int]:
+    """The sizes an axis of ``n`` ranks can take: every divisor of ``n``, smallest first."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def check_all(techniques: Sequence[Technique], config: Any) -> Problem | None:
     """The first problem of any technique's options (in the order given), or None."""
     for technique in techniques:

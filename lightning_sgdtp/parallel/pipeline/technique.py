@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_sgdtp.parallel.pipeline.schedules import SCHEDULES, check_chunks, default_micro_batches, pipeline_stages
-from lightning_sgdtp.parallel.technique import Axis, Problem, Technique
+from lightning_sgdtp.parallel.technique import Axis, Problem, Technique, divisors
 
 #: The options that need pipeline stages, with their defaults.
 _NEEDS_STAGES = (
@@ -115,7 +115,7 @@ class Pipeline(Technique):
         return default_micro_batches(ranks, config.pipeline_schedule, config.pipeline_stages_per_rank)
 
     def sizes(self, world_size: int, devices_per_node: int, blocks: int) -> Sequence[int]:
-        return [d for d in range(1, world_size + 1) if world_size % d == 0]
+        return divisors(world_size)
 
     def refuses(self, size: int, devices_per_node: int, blocks: int) -> str | None:
         return f"pp={size} stages for {blocks} blocks: every stage needs one" if size > blocks else None

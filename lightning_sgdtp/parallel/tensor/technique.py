@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_sgdtp.parallel.technique import Axis, Problem, Technique
+from lightning_sgdtp.parallel.technique import Axis, Problem, Technique, divisors
 
 TP_STYLES = ("colwise", "rowwise", "colwise_gather", "replicate")
 
@@ -57,7 +57,7 @@ class TensorParallel(Technique):
         return None
 
     def sizes(self, world_size: int, devices_per_node: int, blocks: int) -> Sequence[int]:
-        return [d for d in range(1, world_size + 1) if world_size % d == 0]
+        return divisors(world_size)
 
     def refuses(self, size: int, devices_per_node: int, blocks: int) -> str | None:
         if size > 1 and devices_per_node % size:
