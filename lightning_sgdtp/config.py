@@ -133,6 +133,16 @@ class SGDTPConfig:
             fail). Training is wrong on purpose: it acts only with ``SGDTP_DEBUG_OPTIONS=1`` in the environment (the
             test suite sets it) and is refused with a warning otherwise. Shown in the plan. See
             ``docs/options.md``.
+        pretrained: a Hugging Face checkpoint (the folder ``save_pretrained`` writes: ``*.safetensors``, with its index
+            when in several files) loaded into the model at setup, after the split: each rank reads only the bytes
+            of what it holds (its shards, slices, stages), converted to the parameters' dtype. Every missing,
+            unexpected or misshaped tensor is named in one error before any step. With it, ``configure_model`` runs
+            on the meta device (nothing is allocated before the split). See ``docs/big-models.md``.
+        init_weights: how a model built on the meta device is initialized where ``pretrained`` has nothing:
+            ``fn(module)`` initializing one module's own parameters and buffers, or its import path
+            (``"package.module:function"``). Default: a ``transformers`` model's ``_init_weights``, else each
+            module's ``reset_parameters()``. Run per module on whole host copies under a seed from the job's seed
+            and the module's name, each rank keeping its slice: the same values on any layout.
         technique_options: the options of techniques registered with ``lightning_sgdtp.parallel.register`` that
             declare their own (no field here); give them as keywords like any option, they are kept here.
     """
@@ -168,6 +178,8 @@ class SGDTPConfig:
     shard_size: int | str | None = None
     max_memory_per_rank: str | int | None = None
     debug_skip_sync: str | None = None
+    pretrained: str | None = None
+    init_weights: Any | None = None
     technique_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -201,6 +213,7 @@ class SGDTPConfig:
                 " (fused kernel or compiled step where possible), 'fused', 'compiled' or 'eager' (as configured)."
             )
         self._check_profile_steps()
+        self._check_weights()
         if self.debug_skip_sync not in DEBUG_SKIPS:
             raise SGDTPConfigError(
                 f"debug_skip_sync={self.debug_skip_sync!r} is not known. Use None, 'dp-sync' or 'reduce-scatter' (a"
@@ -264,6 +277,40 @@ class SGDTPConfig:
             parse_memory(self.max_memory_per_rank)
         except PlannerInputError as e:
             raise SGDTPConfigError(f"max_memory_per_rank: {e}") from e
+
+    def _check_weights(self) -> None:
+        if self.pretrained is not None:
+            if not isinstance(self.pretrained, (str, Path)):
+                raise SGDTPConfigError(
+                    f"pretrained={self.pretrained!r}: give the path of a Hugging Face checkpoint folder (the one"
+                    " save_pretrained() writes) or of one .safetensors file."
+                )
+            from lightning_sgdtp.checkpoint.huggingface import PretrainedError, files_of
+
+            try:
+                files_of(self.pretrained)
+            except PretrainedError as e:
+                raise SGDTPConfigError(str(e)) from e
+            object.__setattr__(self, "pretrained", str(self.pretrained))
+        fn = self.init_weights
+        if fn is not None and not callable(fn) and not (isinstance(fn, str) and ":" in fn):
+            raise SGDTPConfigError(
+                f"init_weights={fn!r}: give a function fn(module) that initializes one module's own tensors, or its"
+                " import path 'package.module:function'."
+            )
+
+    def init_function(self) -> Any:
+        """``init_weights`` as a function (an import path imported), or None."""
+        fn = self.init_weights
+        if not isinstance(fn, str):
+            return fn
+        import importlib
+
+        module_name, _, attr = fn.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise SGDTPConfigError(f"init_weights={fn!r} cannot be imported: {e}") from e
 
     def _check_profile_steps(self) -> None:
         steps = self.profile_steps

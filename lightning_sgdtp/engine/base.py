@@ -115,12 +115,29 @@ class StepEngine(ABC):
         self._first_step_began: float | None = None
         #: What compiling cost until the first optimizer step (:func:`compile_stats`).
         self.compile_stats: dict[str, Any] | None = None
+        #: What materializing a meta model (and reading ``pretrained``) did on this rank; None: not done.
+        self.materialized: Any | None = None
 
     # ------------------------------------------------------------------------------------------ setup
     @abstractmethod
     def setup(self, fitting: bool, accumulate: int) -> Clip | None:
         """Plan the module's layout and apply it (any trainer function; fitting adds the backend, the gradient sync
         and their log lines). Returns the clipping function, or None for Lightning's."""
+
+    def materialize_part(self, held: Callable[[str], bool] | None = None) -> None:
+        """After the split, once: a model built on the meta device gets this rank's part (``held``: the state dict
+        keys this rank holds; None: all), and ``pretrained`` is read into it by shard (:mod:`engine.materialize`)."""
+        from lightning_sgdtp.engine.materialize import has_meta, materialize
+
+        config = self.config
+        if self.materialized is not None or (config.pretrained is None and not has_meta(self.module)):
+            return
+        with self.guard("setup: materialize and load pretrained weights"):
+            self.materialized = materialize(
+                self.module, self.device, config.pretrained, config.init_function(), torch.initial_seed(), held
+            )
+        for line in self.materialized.describe():
+            self.report.say(line)
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """After Lightning made the optimizers (fitting): their update, and the timeline if asked for."""

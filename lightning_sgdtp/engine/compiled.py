@@ -91,6 +91,7 @@ class CompiledStep(StepEngine):
         if fitting:  # under Fabric, self.log forwards to fabric.log: kept, eagerly
             run_bookkeeping_eagerly(module, keep_logging=step != "training_step")
         done = parallelize(module, plan, self.dims, backends=lambda part: self._backends(plan, accumulate))
+        self.materialize_part()  # a meta model: this rank's part, after the split and before the sync is built
         self.tensor_plan = plan.tensor_plan or self.tensor_plan
         self.shard_plan = done.shard_plan or self.shard_plan
         self.checkpointed = done.checkpointed or self.checkpointed

@@ -447,18 +447,27 @@ def tracing(module: nn.Module) -> Iterator[None]:
 
 def start_from_rank_0(module: nn.Module, bucket_bytes: int) -> None:
     """Every replica starts from rank 0's weights and buffers, as with DDP; a module on its mesh already (split or
-    sharded by an earlier trainer function) keeps its values."""
+    sharded by an earlier trainer function) keeps its values, and a tensor still on the meta device is left to
+    :func:`~lightning_sgdtp.engine.materialize.materialize` (the same values on every rank by construction)."""
     import torch.distributed as dist
-    from torch.distributed.utils import _sync_module_states
+    from torch.distributed.utils import _sync_params_and_buffers
 
-    if not is_tensor_parallel(module):
-        _sync_module_states(module, dist.group.WORLD, bucket_bytes, 0, set())
+    if is_tensor_parallel(module):
+        return
+    tensors = list({id(t): t.detach() for t in (*module.parameters(), *module.buffers()) if not t.is_meta}.values())
+    if tensors:
+        _sync_params_and_buffers(dist.group.WORLD, tensors, bucket_bytes, 0)
 
 
 def to_device(module: nn.Module, device: torch.device) -> None:
-    """``module.to(device)``, unless it sits on its mesh already (``module.to`` cannot move DTensor parameters)."""
-    if not is_tensor_parallel(module):
-        module.to(device)
+    """``module.to(device)``, unless it sits on its mesh already (``module.to`` cannot move DTensor parameters); a
+    tensor on the meta device stays there (it gets this rank's storage after the split)."""
+    if is_tensor_parallel(module):
+        return
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        module._apply(lambda t: t if t.is_meta else t.to(device))
+        return
+    module.to(device)
 
 
 def is_tensor_parallel(module: nn.Module) -> bool:

@@ -33,7 +33,12 @@ from lightning_sgdtp.engine.base import EngineInputs, StepEngine, broadcast_buff
 from lightning_sgdtp.engine.parallelize import parallelize, plan_part, sync_line, tracing
 from lightning_sgdtp.parallel.clipping import clip_pipeline_grad_norm_
 from lightning_sgdtp.parallel.pipeline.runner import PipelineRunner, check_pipeline_contract, replay_logs
-from lightning_sgdtp.parallel.pipeline.split import PipelineSplit, PipelineSplitError, plan_pipeline_split
+from lightning_sgdtp.parallel.pipeline.split import (
+    PipelineSplit,
+    PipelineSplitError,
+    plan_pipeline_split,
+    stage_parameters,
+)
 from lightning_sgdtp.parallel.pipeline.stage_tensor import match_gradient_layouts
 from lightning_sgdtp.sync.grad_sync import GradSync
 
@@ -97,12 +102,41 @@ class PipelinedStep(StepEngine):
                 tracing=lambda: tracing(module),
             )
             self._on_split(split)
+            self._materialize_stages(split)
             _leave_cleanly_at_exit()
         if fitting:
             assert self.part_plan is not None
             self.report.say(sync_line(config, dims, self.part_plan, accumulate, False, False))
         runner = self.runner
         return lambda params, max_norm: clip_pipeline_grad_norm_(params, max_norm, runner.group, runner.holders)
+
+    def _materialize_stages(self, split: PipelineSplit) -> None:
+        """A model built on the meta device: this rank allocates (and loads or initializes) its stages' parameters
+        only, by the split's rule (``stage_parameters``: a tied embedding and head on both stages); the others are
+        released from the start."""
+        from lightning_sgdtp.engine.materialize import has_meta
+
+        assert self.runner is not None
+        if not has_meta(self.module):
+            return self.materialize_part()
+        if self.config.pipeline_balance == "measured":
+            raise SGDTPConfigError(
+                "pipeline_balance='measured' times every block's forward on each rank, which needs the whole model,"
+                " and this model was built on the meta device (each rank holds its stages only). Use"
+                " pipeline_balance='params' (the default), or build the model with its weights."
+            )
+        stages = stage_parameters(self.module, split)
+        mine = {i for s in self.runner.stage_ids for i in stages[s]}
+        state = self.module.state_dict(keep_vars=True)
+        params = {id(p) for p in self.module.parameters()}
+        self.materialize_part(lambda key: key not in state or id(state[key]) not in params or id(state[key]) in mine)
+        self.runner.release_never_held()
+
+    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """The parameters this rank never held (a model built on meta) are not stepped here."""
+        if self.runner is not None and self.runner.released is not None:
+            self.runner.released.drop_from(optimizers)
+        super().setup_optimizers(optimizers)
 
     def _on_split(self, split: PipelineSplit) -> None:
         self.split = split

@@ -21,7 +21,7 @@ import atexit
 import contextlib
 import sys
 import weakref
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +225,16 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
                 params[i] = by_name[name]
 
     @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``fabric.init_module(empty_init=True)``: on the meta device (each rank allocates its part at setup)."""
+        if not self._job.on_meta(empty_init):
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        for context in (torch.device("meta"), self.precision.module_init_context()):
+            stack.enter_context(context)
+        return stack
+
+    @override
     def module_to_device(self, module: nn.Module) -> None:
         to_device(module, self.root_device)
 
@@ -295,6 +305,10 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         return _inner(module).state_dict()
+
+    def save_pretrained(self, module: nn.Module, path: _PATH) -> Path:
+        """The model as a Hugging Face folder ``from_pretrained`` loads (every rank its shards; a collective)."""
+        return self._job.save_pretrained(_inner(module), path)
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:

@@ -201,6 +201,12 @@ class Job:
         start_from_rank_0(module, BROADCAST_BUCKET_BYTES)
         self.settings = model_settings.for_training(module, self.report.say)
 
+    def on_meta(self, empty_init: bool | None) -> bool:
+        """Whether the strategy's init context builds on the meta device: asked for (``init_module(empty_init=True)``)
+        or, where the strategy decides (``configure_model``), when ``pretrained`` will fill the weights. Each rank
+        then allocates its part after the split (:mod:`~lightning_sgdtp.engine.materialize`)."""
+        return bool(empty_init) or (empty_init is None and self.config.pretrained is not None)
+
     def engine_for(self, module: nn.Module | None) -> StepEngine:
         """The engine of this module, made once (a second trainer function on the same module keeps it)."""
         assert module is not None and self.dims is not None
@@ -284,6 +290,24 @@ class Job:
 
         state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
         return self.engine.full_state_dict(state) if self.engine is not None else state
+
+    def save_pretrained(self, module: nn.Module, path: str | Path) -> Path:
+        """``module``'s ``transformers`` model (or all of ``module``) as a Hugging Face folder that
+        ``from_pretrained`` loads: every rank writes its shards, each output file is joined by one rank. A
+        collective (:func:`~lightning_sgdtp.checkpoint.huggingface.save_pretrained`)."""
+        from lightning_sgdtp.checkpoint import huggingface as hf
+
+        found = hf.find_hf_model(module)
+        prefix, model = found if found is not None else ("", None)
+        state = module.state_dict(keep_vars=True)
+        sizes = {k: t.numel() * t.element_size() for k, t in hf.export_names(state, prefix, keep_meta=True).items()}
+        tensors = {k: t.detach() for k, t in hf.export_names(state, prefix).items()}
+        path = Path(self.broadcast(str(path)))
+        with self.guard("save_pretrained"):
+            out = hf.save_pretrained(tensors, sizes, path, self.host.global_rank, lambda: self.barrier("save_pretrained"),
+                                     model.config if model is not None else None)  # fmt: skip
+        self.report.say(f"saved a Hugging Face checkpoint to {out} ({len(sizes)} tensors, each rank its shards)")
+        return out
 
     # ------------------------------------------------------------------------------------------ faults, the end
     def failed(self, exception: BaseException) -> None:

@@ -226,6 +226,18 @@ class SGDTPStrategy(FrontEnd, ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """On the meta device with ``empty_init=True``, or in ``configure_model`` when ``pretrained`` is given: each
+        rank allocates its part after the split (``docs/big-models.md``)."""
+        if not self._job.on_meta(empty_init):
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
     # --------------------------------------------------------------------------------------------- steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -332,6 +344,13 @@ class SGDTPStrategy(FrontEnd, ParallelStrategy):
         rank (``torch.save`` it on rank 0)."""
         assert self.lightning_module is not None
         return self._job.full_state_dict(self.lightning_module)
+
+    def save_pretrained(self, path: _PATH) -> Path:
+        """The trained model as a Hugging Face folder (``*.safetensors`` + index + ``config.json``) that
+        ``from_pretrained`` loads; every rank writes its shards. A collective: call it on every rank, e.g. after
+        ``trainer.fit`` (``docs/big-models.md``)."""
+        assert self.lightning_module is not None
+        return self._job.save_pretrained(self.lightning_module, path)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -344,8 +344,9 @@ def share_reads(part: nn.Module, source: nn.Module) -> None:
 @contextlib.contextmanager
 def whole_for_tracing(module: nn.Module) -> Iterator[None]:
     """While tracing ``module`` with ``torch.export`` (the pipeline's split): each parameter on a mesh (sharded, or
-    split by tensor parallel) replaced by a whole plain one with its values (an all-gather, once per traced shape); the shards are put back after.
-    Tied parameters stay one tensor, so the trace still sees them tied."""
+    split by tensor parallel) replaced by a whole plain one of its shape with no storage (a trace reads metadata
+    only; the traced stages are relinked to the module's own parameters), put back after. No rank gathers the model
+    whole. Tied parameters stay one tensor, so the trace still sees them tied."""
     from torch.distributed.tensor import DTensor
 
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
@@ -354,8 +355,10 @@ def whole_for_tracing(module: nn.Module) -> Iterator[None]:
         for mod in module.modules():
             for attr, p in list(mod._parameters.items()):
                 if isinstance(p, DTensor):  # sharded, or split by tensor parallel
-                    if id(p) not in whole:
-                        whole[id(p)] = nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad)
+                    if id(p) not in whole:  # a trace reads shapes only: no storage (never the model whole)
+                        empty = torch.empty(p.shape, dtype=p.dtype, device=p.device_mesh.device_type)
+                        empty.untyped_storage().resize_(0)
+                        whole[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
                     swapped.append((mod, attr, p))
                     mod._parameters[attr] = whole[id(p)]
         yield

@@ -83,6 +83,38 @@ class ReleasedStages:
         out.held_bytes = held_bytes(module)["parameters"]
         return out
 
+    @classmethod
+    def never_held(cls, module: nn.Module, device: torch.device) -> ReleasedStages:
+        """The parameters of other ranks' stages that a model built on the meta device never gave storage here
+        (``engine/materialize.py``): released from the start, lent to a trace like the others."""
+        out, seen = cls(), set()
+        for owner in module.modules():
+            for attr, p in owner._parameters.items():
+                if p is None or not local_shard(p).is_meta:
+                    continue
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.count += 1
+                    out.released_bytes += local_shard(p).numel() * local_shard(p).element_size()
+                out.slots.append((owner, attr, p, lambda storage, p=p: _empty_like(p, device, storage)))
+        out.held_bytes = held_bytes(module)["parameters"]
+        return out
+
+    def drop_from(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """The released parameters out of ``optimizers``' parameter groups (made from the whole module)."""
+        ids = {id(stand_in) for _, _, stand_in, _ in self.slots}
+        for optimizer in optimizers:
+            for group in getattr(optimizer, "_optimizer", optimizer).param_groups:
+                group["params"] = [q for q in group["params"] if id(q) not in ids]
+
+    def merge(self, other: ReleasedStages) -> ReleasedStages:
+        """These and ``other``'s released parameters, as one."""
+        self.slots += other.slots
+        self.released_bytes += other.released_bytes
+        self.count += other.count
+        self.held_bytes = other.held_bytes
+        return self
+
     @contextlib.contextmanager
     def lent_for_tracing(self) -> Iterator[None]:
         """While ``torch.export`` traces the module: each stand-in replaced by a tensor of its shape and device

@@ -333,8 +333,10 @@ class PipelineRunner:
         self.retraced: list[str] = []
         self.boundaries: list[str] = []  # stage inputs / outputs made contiguous (stage_boundaries)
         self.carried: list[str] = []  # values passed through stages to a later one (stage_carry)
-        #: The other stages' parameters, released after the first training trace (stage_memory).
+        #: The other stages' parameters, released after the first training trace (stage_memory), or never given
+        #: storage here (a model built on the meta device: ``release_never_held``).
         self.released: ReleasedStages | None = None
+        self._released_after_trace = False
 
     # ------------------------------------------------------------------------------------ building
     def _split_spec(self) -> dict[str, Any]:
@@ -424,11 +426,20 @@ class PipelineRunner:
         if self.on_split is not None:
             self.on_split(self.split)
 
+    def release_never_held(self) -> None:
+        """A model built on the meta device: the parameters this rank's stages do not hold never got storage; they
+        are released from the start (lent to each trace as the later-released ones are)."""
+        never = ReleasedStages.never_held(self.module, self.device)
+        if never.slots:
+            self.released = never
+
     def release_other_stages(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Free the parameters of the other ranks' stages (stage_memory), once, after the first training step's
         schedule (the split is final then: a measured split re-cuts at that step, reading every block)."""
-        if self.released is None and self.pp_size > 1 and self.local_parameters:
-            self.released = ReleasedStages.release(self.module, self.local_parameters, optimizers, self.device)
+        if self.pp_size > 1 and self.local_parameters and not self._released_after_trace:
+            more = ReleasedStages.release(self.module, self.local_parameters, optimizers, self.device)
+            self.released = more if self.released is None else self.released.merge(more)
+            self._released_after_trace = True
 
     def share_stages(self) -> None:
         """Give every rank of the pipeline the trained tensors of every stage (each sent by the rank that holds

@@ -6,7 +6,10 @@ Usage: python tests/distributed/jobs/zoo.py OUT_DIR [SCENARIO], with the scenari
 kwargs (precision, accumulate_grad_batches, ...), "optimizer": "adamw" | "sgd", "lr": float, "steps": int,
 "padded": bool (text padded per sample, labels -100 on the padding),
 "env": {name: value} set on every rank (e.g. the negative-control switch), "reference": "ddp" (Lightning's DDP on
-the same ranks: for BatchNorm models, whose batch statistics are per rank) or absent (one process)}.
+the same ranks: for BatchNorm models, whose batch statistics are per rank) or absent (one process),
+"pretrained": true (the initial model written with save_pretrained to OUT/pretrained, the ranks build it on the meta
+device and the strategy reads it by shard: pretrained=OUT/pretrained), "export": true (after fit, the strategy's
+save_pretrained writes OUT/exported)}.
 
 The launching process trains the reference on one device (global batch = dp x per-rank batch, in the order
 Lightning's shuffling DistributedSampler gives the ranks), then Lightning's launcher starts the ranks. Rank 0 writes
@@ -16,6 +19,7 @@ Lightning's shuffling DistributedSampler gives the ranks), then Lightning's laun
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -91,13 +95,19 @@ def main(out: Path) -> None:
         torch.save(params(ref_model), out / "ref.pt")
         torch.save(grads.grads, out / "ref_grads.pt")
 
+    pretrained = scenario.get("pretrained", False)
+    if pretrained and "LOCAL_RANK" not in os.environ:  # the initial weights as a Hugging Face folder, before any rank
+        L.seed_everything(0, verbose=False)
+        zoo_module(name, optimizer, lr, layers).model.save_pretrained(out / "pretrained")
     L.seed_everything(0, verbose=False)
-    model = zoo_module(name, optimizer, lr, layers)
-    strategy = SGDTPStrategy(**scenario["sgdtp"])
+    options = dict(scenario["sgdtp"], **({"pretrained": str(out / "pretrained")} if pretrained else {}))
+    strategy = SGDTPStrategy(**options)
     first = FirstStepGrads(local=local_ids if "pipeline_stages" in scenario["sgdtp"] else None)
     trainer = quiet_trainer(
         strategy, out / "sgdtp", devices=devices, callbacks=[first], max_steps=steps, **trainer_kwargs
     )
+    with trainer.init_module(empty_init=True) if pretrained else contextlib.nullcontext():  # on meta: no memory
+        model = zoo_module(name, optimizer, lr, layers)
     started = time.perf_counter()
     trainer.fit(model, zoo_data(name, SAMPLES, batch_size=batch, padded=padded))
     seconds = time.perf_counter() - started
@@ -106,6 +116,8 @@ def main(out: Path) -> None:
     pipelined = getattr(strategy.engine, "runner", None) is not None
     final = gather_full(local_state(strategy, model)) if pipelined else params(model)
     grads = gather_full(first.grads or {})
+    if scenario.get("export"):
+        strategy.save_pretrained(out / "exported")
     held: list[Any] = [None] * trainer.world_size
     torch.distributed.all_gather_object(held, held_bytes(model, [o for o in trainer.optimizers]))
     if trainer.global_rank == 0:
