@@ -351,20 +351,33 @@ def whole_for_tracing(module: nn.Module) -> Iterator[None]:
 
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     whole: dict[int, nn.Parameter] = {}
+    uses: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
     try:
         for mod in module.modules():
             for attr, p in list(mod._parameters.items()):
                 if isinstance(p, DTensor):  # sharded, or split by tensor parallel
                     if id(p) not in whole:  # a trace reads shapes only: no storage (never the model whole)
-                        empty = torch.empty(p.shape, dtype=p.dtype, device=p.device_mesh.device_type)
-                        empty.untyped_storage().resize_(0)
-                        whole[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
+                        device = torch.device(p.device_mesh.device_type)
+                        whole[id(p)] = trace_stand_in(p, device, tied=uses[id(p)] > 1)
                     swapped.append((mod, attr, p))
                     mod._parameters[attr] = whole[id(p)]
         yield
     finally:
         for mod, attr, p in swapped:
             mod._parameters[attr] = p
+
+
+def trace_stand_in(p: Tensor, device: torch.device, tied: bool = False) -> nn.Parameter:
+    """What ``torch.export`` traces in place of ``p`` (a shard, or a parameter this rank does not hold): a plain
+    tensor of its whole shape on ``device`` with no storage (a trace reads metadata only). A tied parameter gets
+    storage, uninitialised: torch's pipeline frontend deep-copies a parameter two stages use (``Pipe.__init__``),
+    which reads it."""
+    empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+    if not tied:
+        empty.untyped_storage().resize_(0)
+    return nn.Parameter(empty, requires_grad=p.requires_grad)
 
 
 def _local(t: Tensor) -> Tensor:
