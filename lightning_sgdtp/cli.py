@@ -120,7 +120,10 @@ def _plan(args: argparse.Namespace) -> int:
         batch = args.batch or (shape.batch if shape else 1)
         model = profile(module, tokens, batch, activation_bytes=2 if args.precision.startswith(("bf16", "16")) else 4)
         world = args.nodes * per_node
-        result = plan(module, model, hardware, world, per_node, None, args.optimizer_states, fixed, args.global_batch)
+        result = plan(
+            module, model, hardware, world, per_node, None, args.optimizer_states, fixed, args.global_batch,
+            materialized=args.materialized,  # the module here is on meta whatever the job builds: the flag says
+        )  # fmt: skip
         if fixed:
             check_a_layout_is_left(result, world, fixed)
     except (TargetError, PlannerInputError, ValueError) as e:
@@ -228,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Builds the model on the meta device (no memory, no process group, no GPU) and predicts, for every"
             " dp x tp x pp x sharding (and checkpointing, micro-batches, hybrid sharding), the step time and the"
-            " memory on the fullest rank; prints the fastest that fits first (docs/planner.md)."
+            " memory on the fullest rank; prints the fastest that fits first, and its setup peak per rank"
+            " (docs/planner.md)."
         ),
     )
     plan.add_argument(
@@ -250,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--fix", action="append", default=[], help="NAME=VALUE kept fixed (tp=8, sharding=full, ...)")
     plan.add_argument("--rows", type=int, default=12, help="layouts printed (default 12)")
     plan.add_argument("--optimizer-states", type=int, default=2, help="state tensors per parameter (AdamW: 2)")
+    plan.add_argument(
+        "--materialized",
+        action="store_true",
+        help="plan for a model built whole on every rank (the whole model at setup); default: built on the meta"
+        " device, each rank materializing its part",
+    )
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
     plan.set_defaults(run=_plan)
 

@@ -296,6 +296,13 @@ def save_pretrained(
     barrier()
     if rank == 0:
         shutil.rmtree(pieces, ignore_errors=True)
+        # torch writes the index only under a process group; from_pretrained needs it
+        if mapping and not dist.is_initialized():
+            from torch.distributed.checkpoint._hf_utils import _gen_file_name
+
+            files = {n: _gen_file_name(i, max(mapping.values())) for n, i in mapping.items()}
+            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": files}
+            (path / INDEX).write_text(json.dumps(index, indent=2))
         if config is not None:
             config.save_pretrained(str(path))
     barrier()

@@ -222,13 +222,20 @@ def _module_seed(base: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _init_function(sub: nn.Module, init_weights: Callable[[nn.Module], None] | None, found: Any) -> Callable | None:
+def _init_functions(
+    sub: nn.Module, name: str, init_weights: Callable[[nn.Module], None] | None, found: Any
+) -> list[tuple[str, Callable[[nn.Module], None]]]:
+    """What may initialize ``sub``, in the order tried: the option's function alone; else a ``transformers``
+    model's ``_init_weights`` (inside that model), then the module's ``reset_parameters``."""
     if init_weights is not None:
-        return init_weights
-    if found is not None:
-        return found[1]._init_weights
+        return [("init_weights", init_weights)]
+    out = []
+    if found is not None and (name + ".").startswith(found[0]):
+        out.append((f"{type(found[1]).__name__}._init_weights", found[1]._init_weights))
     reset = getattr(sub, "reset_parameters", None)
-    return reset if callable(reset) else None
+    if callable(reset):
+        out.append(("reset_parameters", lambda _: reset()))
+    return out
 
 
 def _initialize(
@@ -240,31 +247,40 @@ def _initialize(
     base: int,
     device: torch.device,
 ) -> None:
-    """Run ``sub``'s initialization on whole host copies of its tensors ``own``, keep this rank's slices."""
+    """Run ``sub``'s initialization on whole host copies of its tensors ``own``, keep this rank's slices. The copies
+    start as NaN: a function that leaves one untouched has not initialized it, and the next one is tried."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    fn = _init_function(sub, init_weights, found)
-    if fn is None:
+    whole: dict[str, Tensor] = {}
+    tried = []
+    for label, fn in _init_functions(sub, name, init_weights, found):
+        tried.append(label)
+        saved_params, saved_buffers = dict(sub._parameters), dict(sub._buffers)
+        try:
+            for attr, t, is_param in own:
+                full = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
+                if full.is_floating_point():
+                    full.fill_(float("nan"))
+                whole[attr] = nn.Parameter(full, requires_grad=t.requires_grad) if is_param else full
+                (sub._parameters if is_param else sub._buffers)[attr] = whole[attr]
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_module_seed(base, name))
+                with torch.no_grad():
+                    fn(sub)
+        finally:
+            sub._parameters.update(saved_params)
+            sub._buffers.update(saved_buffers)
+        left = [a for a, w in whole.items() if w.is_floating_point() and torch.isnan(w).any()]
+        if not left:
+            break
+    else:
+        how = f"{' and '.join(tried)} left {left} uninitialized" if tried else "it has no reset_parameters()"
         raise MaterializeError(
             f"{name or 'the model'} ({type(sub).__name__}) was built on the meta device and its tensors"
-            f" {[a for a, _, _ in own]} are neither in the pretrained checkpoint nor initialized by anything: it has"
-            " no reset_parameters(). Give the strategy init_weights=fn (fn(module) initializes one module's own"
-            " tensors), load them with pretrained=..., or build this module with real weights."
+            f" {[a for a, _, _ in own]} are not in the pretrained checkpoint and nothing initializes them: {how}."
+            " Give the strategy init_weights=fn (fn(module) initializes one module's own tensors), load them with"
+            " pretrained=..., or build this module with real weights."
         )
-    whole: dict[str, Tensor] = {}
-    saved_params, saved_buffers = dict(sub._parameters), dict(sub._buffers)
-    try:
-        for attr, t, is_param in own:
-            full = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
-            whole[attr] = nn.Parameter(full, requires_grad=t.requires_grad) if is_param else full
-            (sub._parameters if is_param else sub._buffers)[attr] = whole[attr]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_module_seed(base, name))
-            with torch.no_grad():
-                fn(sub) if fn is not getattr(sub, "reset_parameters", None) else fn()
-    finally:
-        sub._parameters.update(saved_params)
-        sub._buffers.update(saved_buffers)
     with torch.no_grad():
         for attr, t, _ in own:
             full = whole[attr].detach()

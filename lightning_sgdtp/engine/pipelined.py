@@ -32,6 +32,7 @@ from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfigError
 from lightning_sgdtp.engine.base import EngineInputs, StepEngine, broadcast_buffers
 from lightning_sgdtp.engine.parallelize import parallelize, plan_part, sync_line, tracing
 from lightning_sgdtp.parallel.clipping import clip_pipeline_grad_norm_
+from lightning_sgdtp.parallel.pipeline.memory import ReleasedStages
 from lightning_sgdtp.parallel.pipeline.runner import PipelineRunner, check_pipeline_contract, replay_logs
 from lightning_sgdtp.parallel.pipeline.split import (
     PipelineSplit,
@@ -130,7 +131,8 @@ class PipelinedStep(StepEngine):
         state = self.module.state_dict(keep_vars=True)
         params = {id(p) for p in self.module.parameters()}
         self.materialize_part(lambda key: key not in state or id(state[key]) not in params or id(state[key]) in mine)
-        self.runner.release_never_held()
+        never = ReleasedStages.never_held(self.module, self.device)  # released from the start, lent to traces
+        self.runner.released = never if never.slots else None
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """The parameters this rank never held (a model built on meta) are not stepped here."""

@@ -139,7 +139,9 @@ def decide(
     fixed: dict[str, Any] | None = None,
 ) -> tuple[SGDTPConfig, Plan, list[str]]:
     """Plan ``module`` over the job's ranks; the resolved options, the whole table and one line per decision.
-    ``fixed``: fields the front end fixes besides the user's options (Fabric: ``{"pp": 1}``)."""
+    ``fixed``: fields the front end fixes besides the user's options (Fabric: ``{"pp": 1}``). The setup peak is
+    planned for the module as it is: built whole (real weights: all of it on every rank before the split) unless
+    its parameters are on the meta device (each rank then materializes its part)."""
     batch, tokens, source = batch_shape(module)
     fixed = {**(fixed or {}), **fixed_fields(config, given)}
     try:
@@ -158,6 +160,7 @@ def decide(
         + (f", fixed by your options: {fixed}" if fixed else "")
         + ")"
     ]
+    lines.append("planner: " + "; ".join(result.setup_lines(winner)))  # built whole or on meta: the module says
     for other in [c for c in result.candidates if c is not winner][:2]:
         state = other.skipped if other.skipped else ("fits" if other.fits else "too large")
         lines.append(f"planner: next: {other.describe()}: {_figures(other)} ({state})")

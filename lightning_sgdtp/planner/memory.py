@@ -14,6 +14,12 @@ strategy itself makes for that layout, so that what it predicts is what the stra
   optimizer state; ``"full"`` also gathers one block at a time inside the step (the largest block, whole over dp),
   ``"optimizer"`` the whole parameters once per step.
 
+Before the first step there is a second peak, the **setup** one (``RankMemory.setup``, :func:`setup_bytes`). It
+depends on how the model was built: built whole with real weights (``materialized``; the strategy then moves it to
+the device and broadcasts rank 0's weights), every rank holds the whole model, parameters and buffers, before
+anything is divided; built on the meta device, each rank allocates only its part (its shards, tensor-parallel
+slices, pipeline stages: ``RankMemory.parameters``) and fills it. No gradient or optimizer state exists yet.
+
 Activations (and the pipeline's micro-batches in flight) depend on the batch: :func:`~lightning_sgdtp.planner.cost.
 activation_bytes` predicts them and the search adds them (``RankMemory.activations``). Not predicted: the
 allocator's overhead. Its parameter bytes are checked against what every rank held after ``fit`` in the support
@@ -84,17 +90,24 @@ class Layout:
 class RankMemory:
     """Bytes on the fullest rank: parameters, gradients, optimizer state (``optimizer_states`` tensors per
     parameter: 2 for Adam / AdamW), the block ``sharding="full"`` gathers at a time, and the activations of a step
-    (``cost.activation_bytes``; 0 where not predicted)."""
+    (``cost.activation_bytes``; 0 where not predicted). ``total`` is the training peak; ``setup`` the bytes the
+    rank needs before the first step (:func:`setup_bytes`), which can be the larger one for a model built whole."""
 
     parameters: int
     gradients: int
     optimizer: int
     gathered: int = 0
     activations: int = 0
+    setup: int = 0
 
     @property
     def total(self) -> int:
         return self.parameters + self.gradients + self.optimizer + self.gathered + self.activations
+
+    @property
+    def peak(self) -> int:
+        """What the rank must hold at some point: the setup peak or the training one, the larger (what must fit)."""
+        return max(self.total, self.setup)
 
     def to_dict(self) -> dict[str, int]:
         return {
@@ -104,6 +117,8 @@ class RankMemory:
             "gathered": self.gathered,
             "activations": self.activations,
             "total": self.total,
+            "setup": self.setup,
+            "peak": self.peak,
         }
 
 
@@ -162,11 +177,34 @@ def _largest_block(module: nn.Module, layout: Layout, tp_split: set[int]) -> int
     )
 
 
-def predict_memory(module: nn.Module, layout: Layout, optimizer_states: int = 2) -> RankMemory:
+def model_bytes(module: nn.Module) -> int:
+    """The whole model's parameter and buffer bytes (a tied parameter counted once): what every rank holds at
+    setup when the model is built whole, before it is split."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def is_materialized(module: nn.Module) -> bool:
+    """Whether ``module`` was built with real weights (no parameter on the meta device): the strategy then holds
+    the whole of it on every rank at setup; a model built on the meta device is materialized part by part."""
+    return not any(p.is_meta for p in module.parameters())
+
+
+def setup_bytes(module: nn.Module, layout: Layout, materialized: bool = False) -> int:
+    """Bytes the fullest rank of ``layout`` holds at setup, before the first step: the whole model on every rank
+    when it is built whole (``materialized``), only the rank's part of the parameters when it is built on the meta
+    device (each rank allocates its shards, slices and stages; gradients and optimizer state come later)."""
+    return predict_memory(module, layout, optimizer_states=0, materialized=materialized).setup
+
+
+def predict_memory(
+    module: nn.Module, layout: Layout, optimizer_states: int = 2, materialized: bool = False
+) -> RankMemory:
     """Bytes on the fullest rank of ``layout`` for ``module``: its parameters, their gradients, ``optimizer_states``
     tensors of optimizer state per parameter (2: Adam, AdamW; 1: SGD with momentum; 0: plain SGD), and what is
     gathered during the step: under ``sharding="full"`` the largest block, under ``"optimizer"`` the rest of the
-    parameters (they are split between steps only). Activations are not counted (see the module docstring)."""
+    parameters (they are split between steps only). Activations are not counted (see the module docstring).
+    ``setup``: the bytes before the first step, the whole model when it is built whole (``materialized``), else
+    the rank's parameters (:func:`setup_bytes`)."""
     if layout.sharding != "none" and layout.dp == 1:
         raise LayoutError(f"sharding={layout.sharding!r} splits over the data-parallel ranks, and dp=1 has none")
     tp_split = _tp_split(module, layout)
@@ -182,7 +220,8 @@ def predict_memory(module: nn.Module, layout: Layout, optimizer_states: int = 2)
     elif layout.sharding == "optimizer":  # the parameters are whole during the step: the rest of them gathered
         gathered = fullest_stage(Layout(dp=layout.dp, tp=layout.tp, pp=layout.pp)) - fullest
     # every parameter counted as trainable (a gradient and optimizer state each): frozen ones are not told apart yet
-    return RankMemory(fullest, fullest, optimizer_states * fullest, gathered)
+    setup = model_bytes(module) if materialized else fullest
+    return RankMemory(fullest, fullest, optimizer_states * fullest, gathered, setup=setup)
 
 
 def parameter_fraction(module: nn.Module, layout: Layout) -> float:
@@ -192,10 +231,12 @@ def parameter_fraction(module: nn.Module, layout: Layout) -> float:
     return predict_memory(module, layout).parameters / max(whole, 1)
 
 
-def table(module: nn.Module, layouts: list[Layout], optimizer_states: int = 2) -> list[dict[str, Any]]:
+def table(
+    module: nn.Module, layouts: list[Layout], optimizer_states: int = 2, materialized: bool = False
+) -> list[dict[str, Any]]:
     """One row per layout: its description and predicted bytes on the fullest rank, smallest total first."""
     rows = [
-        {"layout": layout.describe(), **predict_memory(module, layout, optimizer_states).to_dict()}
+        {"layout": layout.describe(), **predict_memory(module, layout, optimizer_states, materialized).to_dict()}
         for layout in layouts
     ]
     return sorted(rows, key=lambda r: r["total"])

@@ -13,6 +13,11 @@ step time (:func:`~lightning_sgdtp.planner.cost.step_time`). The layouts that fi
 fastest per sample, because a layout's global batch is ``dp`` x the batch each rank loads (tensor-parallel and
 pipeline ranks share their samples), so fewer data-parallel ranks train on fewer samples per step. Options the
 user set stay fixed (``fixed``: ``{"tp": 2}``, ``{"sharding": "full"}``, ``{"checkpointing": False}``, ...).
+
+A layout fits when both of its peaks do: the training one (``RankMemory.total``) and the setup one
+(``RankMemory.setup``): a model built whole (``materialized``) sits whole on every rank before it is split, so no
+layout fits a limit below the whole model; built on the meta device, each rank allocates only its part. The plan
+says which way it assumed and what the other would need (:meth:`Plan.setup_lines`).
 """
 
 from __future__ import annotations
@@ -36,11 +41,20 @@ from lightning_sgdtp.planner.cost import (
     step_time,
     tp_split_fraction,
 )
-from lightning_sgdtp.planner.memory import SHARDINGS, Layout, RankMemory, predict_memory
+from lightning_sgdtp.planner.memory import (
+    SHARDINGS,
+    Layout,
+    RankMemory,
+    is_materialized,
+    model_bytes,
+    predict_memory,
+)
 from lightning_sgdtp.planner.units import PlannerInputError, parse_memory, size_text, time_text
 
 CKPT_NOT_WITH_TP = "activation checkpointing with tensor parallel is not built yet (torch 2.13's AOTAutograd)"
 HSDP_NOT_WITH_PP = "hybrid sharding (shard_size) with pipeline stages is not built yet"
+#: Where the docs explain the setup peak and building the model on the meta device.
+SETUP_DOC = "docs/planner.md#the-setup-peak"
 #: What ``fixed`` may hold: the fields of a layout and of its schedule.
 FIXABLE = ("dp", "tp", "pp", "sharding", "shard_size", "checkpointing", "micro_batches", "pipeline", "stages_per_rank")
 
@@ -159,13 +173,17 @@ def _matches(layout: Layout, schedule: Schedule, fixed: dict[str, Any], devices_
 
 @dataclass
 class Plan:
-    """The table: every candidate with its prediction, the choosable ones first (fastest per sample first)."""
+    """The table: every candidate with its prediction, the choosable ones first (fastest per sample first).
+    ``materialized``: planned for a model built whole on every rank (else built on the meta device); ``whole``: the
+    whole model's parameter and buffer bytes, what each rank holds at setup when it is built whole."""
 
     limit: int | None
     hardware: Hardware
     model: ModelProfile
     candidates: list[Candidate] = field(default_factory=list)
     global_batch: int | None = None
+    materialized: bool = False
+    whole: int = 0
 
     @property
     def fitting(self) -> list[Candidate]:
@@ -177,7 +195,32 @@ class Plan:
 
     def smallest(self) -> Candidate | None:
         built = [c for c in self.candidates if c.memory is not None and c.built]
-        return min(built, key=lambda c: c.memory.total if c.memory else 0, default=None)
+        return min(built, key=lambda c: (c.memory.peak, c.memory.total) if c.memory else (0, 0), default=None)
+
+    def _against_limit(self, n: int) -> str:
+        if self.limit is None:
+            return ""
+        return f", fits {size_text(self.limit)}" if n <= self.limit else f", does not fit {size_text(self.limit)}"
+
+    def setup_lines(self, c: Candidate) -> list[str]:
+        """The setup peak per rank of ``c`` the way this plan assumes the model is built, and what the other way
+        needs: built whole, every rank holds all of it before the split; built on the meta device, each rank
+        materializes its part (its parameters on that layout)."""
+        if c.memory is None:
+            return []
+        part, whole = size_text(c.memory.parameters), size_text(self.whole)
+        on_meta = "each rank materializes its part"
+        if not self.materialized:
+            return [
+                f"setup peak per rank: {part} (model built on the meta device: {on_meta})",
+                f"built whole instead: {whole} on every rank{self._against_limit(self.whole)} ({SETUP_DOC})",
+            ]
+        fix = f": build it on the meta device ({SETUP_DOC})" if self.limit and self.whole > self.limit else ""
+        held = f"all of it on every rank before the split{self._against_limit(self.whole)}"
+        return [
+            f"setup peak per rank: {whole} (model built whole: {held}){fix}",
+            f"built on the meta device instead: {part} per rank ({on_meta})",
+        ]
 
     def why(self) -> str:
         """Why the winner won, against the runner-up: the parts of the step that differ most."""
@@ -203,6 +246,8 @@ class Plan:
             "hardware": self.hardware.name,
             "model": vars(self.model),
             "global_batch": self.global_batch,
+            "materialized": self.materialized,
+            "whole_model_bytes": self.whole,
             "chosen": self.best.to_dict() if self.best else None,
             "why": self.why(),
             "candidates": [c.to_dict() for c in self.candidates],
@@ -212,7 +257,8 @@ class Plan:
         """One row of the table; ``width``: the layout column's (the longest name shown)."""
         if c.memory is None or c.time is None:
             return f"  {c.describe():<{width}} skipped: {c.skipped}"
-        mark = "fits" if c.fits else "too large"
+        too_large = "too large" if self.limit is None or c.memory.total > self.limit else "too large at setup"
+        mark = "fits" if c.fits else too_large
         mark += "" if c.built else f"; not built: {c.skipped}"
         per = c.time.seconds_per_sample
         return (
@@ -234,10 +280,12 @@ class Plan:
             head.append(f"chosen: {self.best.describe()}: {self.why()}")
         else:
             smallest = self.smallest()
-            need = f", needs {size_text(smallest.memory.total)}" if smallest and smallest.memory else ""
+            need = f", needs {size_text(smallest.memory.peak)}" if smallest and smallest.memory else ""
             head.append(
                 f"none chosen: no built layout fits; the smallest, {smallest.describe() if smallest else 'none'}{need}"
             )
+        shown_setup = self.best or self.smallest()
+        head += self.setup_lines(shown_setup) if shown_setup else []
         shown = self.candidates if rows is None else self.candidates[:rows]
         width = max([52, *(len(c.describe()) for c in shown)])
         return head + [self.line(c, width) for c in shown]
@@ -253,6 +301,7 @@ def plan(
     optimizer_states: int = 2,
     fixed: dict[str, Any] | None = None,
     global_batch: int | None = None,
+    materialized: bool | None = None,
 ) -> Plan:
     """Every layout of ``world_size`` ranks for ``module`` (``model``: its profile and batch), predicted; the
     ones that fit ``max_memory_per_rank`` (default: the hardware's memory) and that the strategy builds first,
@@ -260,7 +309,10 @@ def plan(
 
     ``global_batch``: samples per step over all replicas, the same for every layout (each replica then runs
     ``global_batch / dp``: how Megatron and torchtitan compare layouts). Without it each data-parallel replica
-    runs ``model.batch`` samples (a Lightning DataLoader's batch), whatever ``dp`` is."""
+    runs ``model.batch`` samples (a Lightning DataLoader's batch), whatever ``dp`` is.
+
+    ``materialized``: the model is built whole on every rank (its setup peak: the whole model), or on the meta
+    device (each rank materializes its part); None: whole unless ``module``'s parameters are on the meta device."""
     fixed = dict(fixed or {})
     unknown = set(fixed) - set(FIXABLE)
     if unknown:
@@ -269,7 +321,11 @@ def plan(
         raise PlannerInputError(f"cannot fix pipeline={fixed['pipeline']!r}: the schedules are {list(SCHEDULES)}")
     given = max_memory_per_rank if max_memory_per_rank is not None else hardware.memory_bytes
     limit = parse_memory(given) if given is not None else None
-    result = Plan(limit, hardware, model, global_batch=global_batch)
+    if materialized is None:
+        materialized = is_materialized(module)
+    result = Plan(
+        limit, hardware, model, global_batch=global_batch, materialized=materialized, whole=model_bytes(module)
+    )
     memory: dict[Layout, RankMemory] = {}
     split: dict[tuple[int, bool], float] = {}
     for candidate in candidate_layouts(world_size, devices_per_node, model.blocks):
@@ -302,14 +358,14 @@ def plan(
             if layout.tp > 1 and schedule.checkpointing and row.built:
                 row.skipped, row.built = CKPT_NOT_WITH_TP, False
             if layout not in memory:
-                memory[layout] = predict_memory(module, layout, optimizer_states)
+                memory[layout] = predict_memory(module, layout, optimizer_states, materialized)
             unsharded = replace(layout, sharding="none", shard_size=None)
             if unsharded not in memory:
                 memory[unsharded] = predict_memory(module, unsharded, optimizer_states)
             profile = model.with_batch(batch)
             acts = activation_bytes(profile, layout, hardware, schedule)
             row.memory = replace(memory[layout], activations=acts)
-            row.fits = limit is None or row.memory.total <= limit
+            row.fits = limit is None or row.memory.peak <= limit  # the training peak and the setup one
             held = memory[unsharded].parameters
             key = (layout.tp, layout.sharding != "none")
             if key not in split:
@@ -340,9 +396,12 @@ def check_a_layout_is_left(result: Plan, world_size: int, fixed: dict[str, Any])
 
 
 def check_fits(result: Plan) -> None:
-    """Raise, naming the smallest built layout and its predicted memory, when none fits the limit."""
+    """Raise, naming the smallest built layout and its predicted memory, when none fits the limit; when the whole
+    model, built on every rank, is what does not fit, naming that and the fix (build it on the meta device)."""
     if result.limit is None or result.fitting:
         return
+    if result.materialized and result.whole > result.limit:
+        raise PlannerInputError(_whole_does_not_fit(result))
     smallest = result.smallest()
     need = size_text(smallest.memory.total) if smallest and smallest.memory else "unknown"
     raise PlannerInputError(
@@ -350,3 +409,21 @@ def check_fits(result: Plan) -> None:
         f" {smallest.describe() if smallest else 'none'}, needs {need} per rank (activations included). Use more"
         " ranks, a larger limit, a smaller batch per rank, or a smaller model."
     )
+
+
+def _whole_does_not_fit(result: Plan) -> str:
+    """The message when the model built whole does not fit: what each rank would need built on the meta device."""
+    assert result.limit is not None
+    built = [c for c in result.candidates if c.memory is not None and c.built]
+    smallest = min(built, key=lambda c: c.memory.total if c.memory else 0, default=None)
+    text = (
+        f"no layout fits max_memory_per_rank={size_text(result.limit)}: the model is built whole, so every rank holds"
+        f" all of it ({size_text(result.whole)}) at setup, before it is split. Build it on the meta device, so that"
+        f" each rank materializes only its part ({SETUP_DOC})"
+    )
+    if smallest is None or smallest.memory is None:
+        return text + "."
+    text += f"; the smallest layout, {smallest.describe()}, then needs {size_text(smallest.memory.total)} per rank"
+    if smallest.memory.total > result.limit:
+        text += " (activations included), more than the limit too: use more ranks, a larger limit or a smaller batch"
+    return text + "."

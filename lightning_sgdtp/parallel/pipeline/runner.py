@@ -333,8 +333,7 @@ class PipelineRunner:
         self.retraced: list[str] = []
         self.boundaries: list[str] = []  # stage inputs / outputs made contiguous (stage_boundaries)
         self.carried: list[str] = []  # values passed through stages to a later one (stage_carry)
-        #: The other stages' parameters, released after the first training trace (stage_memory), or never given
-        #: storage here (a model built on the meta device: ``release_never_held``).
+        #: The other stages' parameters: released after the first training trace, or never held (built on meta).
         self.released: ReleasedStages | None = None
         self._released_after_trace = False
 
@@ -425,13 +424,6 @@ class PipelineRunner:
         self._built, self.names_per_stage, self.local_parameters = {}, [], []
         if self.on_split is not None:
             self.on_split(self.split)
-
-    def release_never_held(self) -> None:
-        """A model built on the meta device: the parameters this rank's stages do not hold never got storage; they
-        are released from the start (lent to each trace as the later-released ones are)."""
-        never = ReleasedStages.never_held(self.module, self.device)
-        if never.slots:
-            self.released = never
 
     def release_other_stages(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Free the parameters of the other ranks' stages (stage_memory), once, after the first training step's

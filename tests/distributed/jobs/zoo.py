@@ -9,7 +9,10 @@ kwargs (precision, accumulate_grad_batches, ...), "optimizer": "adamw" | "sgd", 
 the same ranks: for BatchNorm models, whose batch statistics are per rank) or absent (one process),
 "pretrained": true (the initial model written with save_pretrained to OUT/pretrained, the ranks build it on the meta
 device and the strategy reads it by shard: pretrained=OUT/pretrained), "export": true (after fit, the strategy's
-save_pretrained writes OUT/exported)}.
+save_pretrained writes OUT/exported), "corrupt": {"drop" | "reshape": name} (the pretrained folder made not to
+fit), "reference": "none" (no reference run), "meta": true (built on the meta device without pretrained weights: the
+strategy initializes each rank's part; rank 0 writes ``init_check.json``: the tensors not finite, the replicated
+ones that differ between ranks, what stayed on meta, after setup)}.
 
 The launching process trains the reference on one device (global batch = dp x per-rank batch, in the order
 Lightning's shuffling DistributedSampler gives the ranks), then Lightning's launcher starts the ranks. Rank 0 writes
@@ -62,6 +65,61 @@ def local_ids(trainer: L.Trainer) -> set[int] | None:
     return {id(p) for p in runner.local_parameters} if runner is not None else None
 
 
+def corrupt(folder: Path, how: dict[str, str] | None) -> None:
+    """A checkpoint that does not fit its model: ``{"drop": name}`` leaves a tensor out, ``{"reshape": name}`` gives
+    it one row fewer."""
+    if not how:
+        return
+    from safetensors.torch import load_file, save_file
+
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    if "drop" in how:
+        del tensors[how["drop"]]
+    if "reshape" in how:
+        tensors[how["reshape"]] = tensors[how["reshape"]][:-1].contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+class InitCheck(L.Callback):
+    """Right after setup (before any step): every rank's tensors are finite and none left on meta (other pipeline
+    stages' aside); a tensor not split (plain) is the same on every rank of the job, a split one (DTensor) finite
+    whole. Rank 0 writes ``OUT/init_check.json``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        from torch.distributed.tensor import DTensor
+
+        runner = getattr(trainer.strategy.engine, "runner", None)
+        released = {id(slot[2]) for slot in runner.released.slots} if runner is not None and runner.released else set()
+        mine, bad, meta = {}, [], []
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            local = t.to_local() if isinstance(t, DTensor) else t  # a split tensor: each rank checks its shard
+            if local.is_meta:
+                meta += [] if id(t) in released else [name]  # another stage's, on a pipeline rank: never held
+            elif local.is_floating_point() and not torch.isfinite(local).all():
+                bad.append(name)
+            elif not isinstance(t, DTensor):
+                mine[name] = t.detach().cpu().clone()
+        every: list[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(every, (mine, bad, meta))
+        if trainer.global_rank == 0:
+            first: dict[str, torch.Tensor] = {}
+            for state, _, _ in every:
+                for n, v in state.items():
+                    first.setdefault(n, v)
+            differ = sorted({n for state, _, _ in every for n, v in state.items() if not torch.equal(v, first[n])})
+            report = {
+                "nonfinite": sorted({n for _, b, _ in every for n in b}),
+                "meta_left": sorted({n for _, _, m in every for n in m}),
+                "differ": differ,
+                "replicated_checked": len(first),
+            }
+            (self.out / "init_check.json").write_text(json.dumps(report))
+
+
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     scenario = read_scenario(out, sys.argv[2] if len(sys.argv) > 2 else None)
@@ -83,7 +141,7 @@ def main(out: Path) -> None:
             torch.save(init, out / "init.pt")
             torch.save(params(ref_model), out / "ref.pt")
             torch.save(grads.grads, out / "ref_grads.pt")
-    elif "LOCAL_RANK" not in os.environ:  # the launching process, before any rank starts: the reference
+    elif "LOCAL_RANK" not in os.environ and scenario.get("reference") != "none":  # the launching process: reference
         L.seed_everything(0, verbose=False)
         ref_model = zoo_module(name, optimizer, lr, layers)
         torch.save(params(ref_model), out / "init.pt")
@@ -99,6 +157,7 @@ def main(out: Path) -> None:
     if pretrained and "LOCAL_RANK" not in os.environ:  # the initial weights as a Hugging Face folder, before any rank
         L.seed_everything(0, verbose=False)
         zoo_module(name, optimizer, lr, layers).model.save_pretrained(out / "pretrained")
+        corrupt(out / "pretrained", scenario.get("corrupt"))
     L.seed_everything(0, verbose=False)
     options = dict(scenario["sgdtp"], **({"pretrained": str(out / "pretrained")} if pretrained else {}))
     strategy = SGDTPStrategy(**options)
@@ -106,7 +165,10 @@ def main(out: Path) -> None:
     trainer = quiet_trainer(
         strategy, out / "sgdtp", devices=devices, callbacks=[first], max_steps=steps, **trainer_kwargs
     )
-    with trainer.init_module(empty_init=True) if pretrained else contextlib.nullcontext():  # on meta: no memory
+    meta = pretrained or scenario.get("meta", False)
+    if meta:
+        trainer.callbacks.append(InitCheck(out))
+    with trainer.init_module(empty_init=True) if meta else contextlib.nullcontext():  # on meta: no memory
         model = zoo_module(name, optimizer, lr, layers)
     started = time.perf_counter()
     trainer.fit(model, zoo_data(name, SAMPLES, batch_size=batch, padded=padded))

@@ -24,7 +24,7 @@ from lightning_sgdtp.planner.cost import (
     tp_split_fraction,
 )
 from lightning_sgdtp.planner.memory import Layout
-from lightning_sgdtp.planner.search import Candidate
+from lightning_sgdtp.planner.search import Candidate, size_text
 from lightning_sgdtp.planner.shapes import SHAPES, build
 
 H100 = HARDWARE["h100"]
@@ -198,8 +198,12 @@ def test_auto_plans_sharded_when_replicated_does_not_fit_and_says_why() -> None:
     assert resolved.sharded or resolved.pipeline_stages or resolved.tensor_parallel_size
     assert lines[0].startswith(f"planner: parallelism='auto' chose {result.best.describe()}: ")
     assert "limit 781.25 KiB" in lines[0] and "batch 6 x 16 tokens from example_input_array" in lines[0]
-    assert [line.startswith("planner: next: ") for line in lines[1:]] == [True, True]
-    with pytest.raises(SGDTPConfigError, match=r"parallelism='auto': no layout fits .* the smallest, .* needs"):
+    whole = sum(p.numel() * p.element_size() for p in module.parameters())  # real weights: built whole, at setup
+    assert lines[1].startswith(f"planner: setup peak per rank: {size_text(whole)} (model built whole: all of it")
+    assert "; built on the meta device instead: " in lines[1] and result.materialized
+    assert [line.startswith("planner: next: ") for line in lines[2:]] == [True, True]
+    built_whole = r"parallelism='auto': no layout fits .*: the model is built whole, .* the smallest layout, .* needs"
+    with pytest.raises(SGDTPConfigError, match=built_whole):  # not even its whole model fits
         decide(SGDTPConfig(parallelism="auto", max_memory_per_rank="10KB"), set(), module, 2, 2, H100, 4)
     hsdp = SGDTPConfig(parallelism="auto", sharding="full", shard_size="node")  # 2 nodes of 2: groups of 2
     resolved, result, _ = decide(hsdp, {"parallelism", "sharding", "shard_size"}, module, 4, 2, H100, 4)

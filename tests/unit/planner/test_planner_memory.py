@@ -14,7 +14,16 @@ import torch
 from helpers import REPO
 from torch import nn
 
-from lightning_sgdtp.planner.memory import Layout, LayoutError, parameter_fraction, predict_memory, table
+from lightning_sgdtp.planner.memory import (
+    Layout,
+    LayoutError,
+    is_materialized,
+    model_bytes,
+    parameter_fraction,
+    predict_memory,
+    setup_bytes,
+    table,
+)
 
 #: The matrix's columns that divide the model, as layouts (2 CPU ranks, or 4 for the 2 x 2 ones).
 MODES = {
@@ -71,6 +80,53 @@ def test_gradients_optimizer_state_and_the_gathered_block_are_counted() -> None:
     assert zero2.parameters == whole // 4 and zero2.parameters + zero2.gathered == whole
     piped = predict_memory(module, Layout(pp=2))
     assert whole / 2 < piped.parameters < whole  # the tied embedding on both stages
+
+
+class BlocksWithBuffer(Blocks):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(32))  # held whole by a model built whole, at setup
+
+
+#: (layout, the share of the whole model's parameter bytes the fullest rank materializes when built on meta)
+SETUP_ON_META = [
+    pytest.param(Layout(dp=4), 1.0, id="dp 4: every rank its own replica"),
+    pytest.param(Layout(dp=4, sharding="full"), 0.25, id="dp 4 sharded: a quarter (every dimension divides)"),
+    pytest.param(Layout(dp=4, sharding="optimizer"), 0.25, id="dp 4 sharding=optimizer: split at setup too"),
+    pytest.param(Layout(tp=2), 0.5, id="tp 2: a half (every module split, the embedding too)"),
+    pytest.param(Layout(pp=2), None, id="pp 2: the fullest stage (the tied embedding on both)"),
+]
+
+
+@pytest.mark.parametrize(("layout", "share"), SETUP_ON_META)
+def test_setup_on_meta_is_what_the_rank_holds_after_the_split(layout: Layout, share: float | None) -> None:
+    module = BlocksWithBuffer()
+    params = sum(p.numel() * 4 for p in module.parameters())
+    predicted = predict_memory(module, layout)
+    assert setup_bytes(module, layout) == predicted.setup == predicted.parameters  # no gradient, no optimizer state
+    if share is not None:
+        assert setup_bytes(module, layout) == params * share
+    else:  # more than half: the tied embedding sits on both stages
+        assert params / 2 < setup_bytes(module, layout) < params
+    assert predicted.peak == predicted.total  # on meta the training peak is the larger: setup changes nothing
+
+
+@pytest.mark.parametrize("layout", [p.values[0] for p in SETUP_ON_META])
+def test_setup_built_whole_is_the_whole_model_on_every_rank(layout: Layout) -> None:
+    module = BlocksWithBuffer()
+    whole = sum(p.numel() * 4 for p in module.parameters()) + 32 * 4  # the tied weight once, and the buffer
+    assert model_bytes(module) == whole
+    assert setup_bytes(module, layout, materialized=True) == whole
+    memory = predict_memory(module, layout, optimizer_states=0, materialized=True)
+    assert memory.setup == whole and memory.peak == max(memory.total, whole)
+    assert memory.to_dict()["setup"] == whole and memory.to_dict()["peak"] == memory.peak
+
+
+def test_a_model_is_materialized_unless_its_parameters_are_on_meta() -> None:
+    with torch.device("meta"):
+        on_meta = Blocks()
+    assert is_materialized(Blocks()) and not is_materialized(on_meta)
+    assert setup_bytes(on_meta, Layout(dp=2, sharding="full")) == setup_bytes(Blocks(), Layout(dp=2, sharding="full"))
 
 
 def test_the_table_is_smallest_first() -> None:

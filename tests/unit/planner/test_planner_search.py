@@ -16,6 +16,7 @@ from lightning_sgdtp.planner.memory import Layout
 from lightning_sgdtp.planner.search import (
     CKPT_NOT_WITH_TP,
     HSDP_NOT_WITH_PP,
+    SETUP_DOC,
     Plan,
     PlannerInputError,
     candidate_layouts,
@@ -23,6 +24,7 @@ from lightning_sgdtp.planner.search import (
     check_fits,
     parse_memory,
     plan,
+    size_text,
 )
 
 
@@ -85,7 +87,8 @@ def test_the_layouts_that_fit_come_first_fastest_per_sample_first() -> None:
         )
     )
     lines = result.describe(rows=5)
-    assert lines[1].startswith(f"chosen: {result.best.describe()}: ") and len(lines) == 7
+    assert lines[1].startswith(f"chosen: {result.best.describe()}: ") and len(lines) == 9
+    assert lines[2].startswith("setup peak per rank: ") and lines[3].startswith("built on the meta device instead: ")
     check_fits(result)
 
 
@@ -134,10 +137,65 @@ def test_a_global_batch_is_split_over_the_replicas() -> None:
 
 
 def test_no_layout_that_fits_is_an_error_naming_the_smallest_and_its_memory() -> None:
-    result = _plan(Blocks(), world=2, per_node=2, limit="1KB")
+    result = _plan(Blocks(), world=2, per_node=2, limit="1KB", materialized=False)  # whole: the next test
     assert not result.fitting
     with pytest.raises(PlannerInputError, match=r"no layout fits .* the smallest, dp .*, needs [0-9.]+ KiB"):
         check_fits(result)
+
+
+class Wide(nn.Module):
+    """Weights large next to the activations of one sample of 8 tokens: the setup peak can decide."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(512, 64)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4))
+        self.head = nn.Linear(64, 512)
+
+
+def _plan_wide(module: nn.Module, limit: str, **kwargs: object) -> Plan:
+    return plan(module, profile(module, tokens=8, batch=1), HARDWARE["h100"], 8, 8, limit, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_model_built_whole_that_does_not_fit_is_refused_and_built_on_meta_it_fits() -> None:
+    whole = sum(p.numel() * 4 for p in Wide().parameters())  # 775 KiB on every rank when built whole
+    with torch.device("meta"):
+        on_meta = _plan_wide(Wide(), "700KB")  # the module says: on meta
+    built = _plan_wide(Wide(), "700KB")  # real weights: built whole
+    assert (on_meta.materialized, built.materialized) == (False, True) and on_meta.whole == built.whole == whole
+    best = on_meta.best
+    assert best is not None and best.memory.setup == best.memory.parameters < 700_000 < whole
+    assert not built.fitting and built.best is None  # the same layout, built whole: its setup peak is too large
+    same = next(c for c in built.candidates if c.layout == best.layout and c.schedule == best.schedule)
+    assert same.memory.total == best.memory.total <= 700_000 < same.memory.setup == whole and not same.fits
+    assert "too large at setup" in built.line(same)
+
+    lines = on_meta.describe(rows=1)
+    assert lines[2] == f"setup peak per rank: {size_text(best.memory.parameters)} (model built on the meta device:" + (
+        " each rank materializes its part)"
+    )
+    assert lines[3] == f"built whole instead: 775.00 KiB on every rank, does not fit 683.59 KiB ({SETUP_DOC})"
+    check_fits(on_meta)
+    assert on_meta.to_dict()["chosen"]["memory"]["setup"] == best.memory.parameters
+
+    lines = built.describe(rows=1)
+    assert lines[1].startswith("none chosen: no built layout fits")
+    assert lines[2] == (
+        "setup peak per rank: 775.00 KiB (model built whole: all of it on every rank before the split, does not fit"
+        f" 683.59 KiB): build it on the meta device ({SETUP_DOC})"
+    )
+    with pytest.raises(PlannerInputError) as err:
+        check_fits(built)
+    assert str(err.value) == (
+        "no layout fits max_memory_per_rank=683.59 KiB: the model is built whole, so every rank holds all of it"
+        f" (775.00 KiB) at setup, before it is split. Build it on the meta device, so that each rank materializes"
+        f" only its part ({SETUP_DOC}); the smallest layout, {best.describe()}, then needs"
+        f" {size_text(best.memory.total)} per rank."
+    )
+    # told instead of detected: a meta module planned as if built whole, and the other way round
+    with torch.device("meta"):
+        assert not _plan_wide(Wide(), "700KB", materialized=True).fitting
+    assert _plan_wide(Wide(), "700KB", materialized=False).best.layout == best.layout
 
 
 def test_sgdtp_plan_prints_the_table_from_a_model_on_the_meta_device(capsys: pytest.CaptureFixture[str]) -> None:
@@ -166,6 +224,25 @@ def test_sgdtp_plan_plans_a_named_llama_shape_in_seconds(capsys: pytest.CaptureF
     assert 6.9e9 < model["matmul_params"] < 7.6e9  # 8.03e9 parameters, the 0.53e9 of the input embedding excluded
     chosen = table["chosen"]
     assert chosen["built"] and chosen["fits"] and chosen["memory"]["total"] <= 80 * 10**9
+
+
+def test_sgdtp_plan_prints_the_setup_peak_of_llama3_70b_on_4_nodes_of_8_h100(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["plan", "llama3-70b", "--nodes", "4", "--gpus-per-node", "8", "--hardware", "h100", "--rows", "1"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # 70.6e9 float32 parameters: 262.83 GiB whole; dp 32 sharded, each rank materializes 1/32 of them
+    assert lines[1] == "chosen: dp 32, sharding=full, checkpointing: the only layout that fits"
+    assert lines[2] == "setup peak per rank: 8.21 GiB (model built on the meta device: each rank materializes its part)"
+    assert lines[3] == f"built whole instead: 262.83 GiB on every rank, does not fit 74.51 GiB ({SETUP_DOC})"
+    assert main([*args, "--materialized"]) == 0  # built whole: nothing fits, and the line says what to do
+    out = capsys.readouterr().out
+    assert out.startswith("0 of 75 layouts fit") and "\nnone chosen: no built layout fits" in out
+    assert (
+        "setup peak per rank: 262.83 GiB (model built whole: all of it on every rank before the split, does not" in out
+    )
+    assert f"build it on the meta device ({SETUP_DOC})\nbuilt on the meta device instead: 8.21 GiB per rank" in out
 
 
 def test_sgdtp_plan_names_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
