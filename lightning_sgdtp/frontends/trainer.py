@@ -189,7 +189,8 @@ class SGDTPStrategy(FrontEnd, ParallelStrategy):
         env = self.cluster_environment
         requeue = isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None
         self._job.start(default_backend(self.root_device), env.requeue_signal if requeue else None)
-        self._job.lay_out(lambda: self.lightning_module, self.precision_plugin.precision)
+        if not self._job.config.planned:  # "auto" plans in setup: after configure_model built the model
+            self._job.lay_out(lambda: self.lightning_module, self.precision_plugin.precision)
 
     def set_world_ranks(self) -> None:
         rank_zero_only.rank = utils_rank_zero_only.rank = self._job.set_world_ranks()
@@ -202,6 +203,8 @@ class SGDTPStrategy(FrontEnd, ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         job = self._job
+        if job.dims is None:
+            job.lay_out(lambda: self.lightning_module, self.precision_plugin.precision)
         job.prepare(self.model)
         engine = job.engine_for(self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
