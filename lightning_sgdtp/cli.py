@@ -273,7 +273,30 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--pem-public-key", type=Path, default=None, help="trusted key: a PEM public key")
 
     cons = _folder_command(commands, "consolidate", _consolidate, dir_help="the sharded checkpoint folder")
-    cons.add_argument("output", type=Path, help="the file to write (Lightning's layout: state_dict, optimizer_states)")
+    cons.add_argument(
+        "output", type=Path, nargs="?", help="the file to write (Lightning's layout: state_dict, optimizer_states)"
+    )
+    cons.add_argument(
+        "--hf",
+        type=Path,
+        default=None,
+        metavar="OUT",
+        help="instead, write the model as a Hugging Face folder OUT (*.safetensors and model.safetensors.index.json;"
+        " one tensor in memory at a time) that from_pretrained loads",
+    )
+    cons.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="with --hf: the Hugging Face model's folder (config.json): names and shapes checked against the model it"
+        " describes, config.json and generation_config.json copied",
+    )
+    cons.add_argument(
+        "--prefix",
+        default=None,
+        help="with --hf: the LightningModule's path to the Hugging Face model, stripped from the names ('model.' for"
+        " self.model; default: found from --config, or the leading components all names share)",
+    )
     cons.add_argument("--keyring", type=Path, default=None, help="verify the folder's signature with this gpg keyring")
     cons.add_argument("--no-verify", action="store_true", help="do not check the folder's SHA256 manifest first")
     return parser
@@ -302,17 +325,37 @@ def _verified(folder: Path, trusted: Path | None) -> bool:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    """merge a sharded checkpoint folder (tensor/hybrid parallel) into one file that plain torch.load reads"""
-    from lightning_sgdtp.checkpoint.sharded import consolidate
+    """merge a sharded checkpoint folder (tensor/hybrid parallel) into one file that plain torch.load reads, or
+    (--hf OUT) into a Hugging Face folder that from_pretrained loads"""
+    from lightning_sgdtp.checkpoint.huggingface import INDEX
+    from lightning_sgdtp.checkpoint.sharded import consolidate, consolidate_hf
 
-    if not args.no_verify and not _verified(args.dir, args.keyring):  # consolidate unpickles meta.pt: check first
+    if (args.output is None) == (args.hf is None):
+        print(
+            "sgdtp consolidate: give OUTPUT (one torch.save file) or --hf OUT (a Hugging Face folder)", file=sys.stderr
+        )
+        return 2
+    if args.hf is None and (args.config or args.prefix is not None):
+        print("sgdtp consolidate: --config and --prefix go with --hf OUT", file=sys.stderr)
+        return 2
+    # consolidate unpickles meta.pt, both read DCP's .metadata (a pickle too): check the folder first
+    if not args.no_verify and not _verified(args.dir, args.keyring):
         return 1
     try:
-        out = consolidate(args.dir, args.output)
-    except FileNotFoundError as err:
+        if args.hf is None:
+            print(f"wrote {consolidate(args.dir, args.output)}")
+            return 0
+        out = consolidate_hf(args.dir, args.hf, prefix=args.prefix, config=args.config)
+    except (FileNotFoundError, ValueError, ImportError) as err:
         print(f"sgdtp consolidate: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {out}")
+    index = json.loads((out / INDEX).read_text())
+    files = len(set(index["weight_map"].values()))
+    config = "config.json copied" if args.config else "no config.json: copy one in, or give --config"
+    print(
+        f"wrote {out}: {len(index['weight_map'])} tensors in {files} safetensors files, {index['metadata']['total_size']}"
+        f" bytes, and {INDEX}; {config}"
+    )
     return 0
 
 

@@ -9,14 +9,19 @@ done: a crash mid-save leaves the previous checkpoint whole.
 Model and optimizer states are keyed by parameter name (``torch.distributed.checkpoint.state_dict``), so a
 checkpoint written on one mesh loads on another: DCP reads, for each rank, the part of each tensor that
 rank holds (trained ``tp=2``, resumed ``dp=2``, and the reverse). :func:`consolidate` turns the folder into
-one ``torch.save`` file that plain PyTorch loads.
+one ``torch.save`` file that plain PyTorch loads; :func:`consolidate_hf` into a Hugging Face folder
+(``*.safetensors`` and their index) that ``from_pretrained`` loads, one tensor in memory at a time.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
-from collections.abc import Callable, Sequence
+import struct
+from collections.abc import Callable, Collection, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -196,3 +201,192 @@ def consolidate(path: str | os.PathLike, output: str | os.PathLike) -> Path:
     merged = {**meta, MODEL_KEY: full[MODEL_KEY], "optimizer_states": [full[k] for k in keys]}
     write_atomically(output, lambda f: torch.save(merged, f))
     return output
+
+
+# ------------------------------------------------------------------------------------------- Hugging Face
+def consolidate_hf(
+    path: str | os.PathLike,
+    output: str | os.PathLike,
+    prefix: str | None = None,
+    config: str | os.PathLike | None = None,
+    file_bytes: int = 2 * 2**30,
+) -> Path:
+    """Write the model of a sharded checkpoint folder as a Hugging Face folder at ``output``:
+    ``model-0000N-of-0000M.safetensors`` (at most ``file_bytes`` each, unless one tensor is larger) and
+    ``model.safetensors.index.json``. One process, no process group; one tensor in memory at a time (each file's
+    header comes from DCP's metadata, then each tensor is read alone and its bytes appended).
+
+    Names are the checkpoint's model keys without the LightningModule's path to the Hugging Face model: ``prefix``
+    (``"model."`` for ``self.model``), or the one under which the names fit the model ``config`` describes (a
+    folder with ``config.json``: the model is built on the meta device, every name and shape checked against it;
+    ``config.json`` and ``generation_config.json`` are copied), or else the leading components all names share.
+    Every key is written, a tied tensor under each of its names (``from_pretrained`` ignores the second)."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_sgdtp.checkpoint.huggingface import INDEX, file_indices
+
+    path, output = Path(path), Path(output)
+    if not is_sharded(path):
+        raise FileNotFoundError(f"{path} is not a sharded checkpoint folder (no .metadata inside).")
+    config = Path(config) if config is not None else None
+    tensors = model_tensors(path)
+    names = hf_names(tensors, prefix, *(_hf_model_names(config) if config is not None else ()))
+    sizes = {name: math.prod(tensors[key][0]) * tensors[key][1].itemsize for key, name in names.items()}
+    numbers = file_indices(sizes, file_bytes)
+    files = {name: f"model-{i:05d}-of-{max(numbers.values()):05d}.safetensors" for name, i in numbers.items()}
+    per_file: dict[str, dict[str, tuple[str, tuple[int, ...], torch.dtype]]] = {}
+    for key, name in names.items():
+        per_file.setdefault(files[name], {})[name] = (key, *tensors[key])
+    output.mkdir(parents=True, exist_ok=True)
+    reader = dcp.FileSystemReader(str(path))
+    for file, entries in per_file.items():
+        write_atomically(output / file, partial(_write_safetensors, entries=entries, reader=reader))
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": files}
+    write_atomically(output / INDEX, lambda f: f.write(json.dumps(index, indent=2).encode()))
+    # Files of an earlier export there would be read instead (model.safetensors comes before the index) or beside.
+    for stale in [output / "model.safetensors", *output.glob("model-*-of-*.safetensors")]:
+        if stale.name not in files.values():
+            stale.unlink(missing_ok=True)
+    for src in [config / "config.json", config / "generation_config.json"] if config is not None else []:
+        if src.is_file():
+            write_atomically(output / src.name, partial(_copy, src))
+    fsync_path(output)
+    return output
+
+
+def model_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The model's tensors in a sharded folder, from DCP's metadata alone: key (without ``state_dict.``) -> (global
+    shape, dtype), in the checkpoint's order."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    start = f"{MODEL_KEY}."
+    tensors = {
+        key[len(start) :]: (tuple(item.size), item.properties.dtype)
+        for key, item in metadata.items()
+        if key.startswith(start) and isinstance(item, TensorStorageMetadata)
+    }
+    if not tensors:
+        raise ValueError(f"{path} holds no model tensors (no '{start}*' key): it is not a checkpoint of a model.")
+    return tensors
+
+
+def hf_names(
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    prefix: str | None = None,
+    model: dict[str, tuple[int, ...]] | None = None,
+    tied: Collection[str] = (),
+) -> dict[str, str]:
+    """Checkpoint key (``tensors``: key -> shape, dtype) -> Hugging Face name, for the keys under ``prefix``
+    (stripped), in the order of ``model`` (the Hugging Face model's state dict: name -> shape) when given, else the
+    checkpoint's.
+
+    With ``model``: the prefix is, unless given, the one under which most names fit; a name of ``tied`` (a tied
+    tensor's second name) may be absent; any other name missing, left over or misshaped is an error. Without: the
+    prefix is, unless given, the leading components every key shares."""
+    from lightning_sgdtp.checkpoint.huggingface import match
+
+    if prefix is None and model is not None:
+        shapes = {k: torch.empty(shape, device="meta") for k, (shape, _) in tensors.items()}
+        prefix = match(shapes, model).prefix
+    elif prefix is None:
+        prefix = _common_prefix(list(tensors))
+    elif prefix and not prefix.endswith("."):
+        prefix += "."
+    names = {key: key[len(prefix) :] for key in tensors if key.startswith(prefix)}
+    if not names:
+        tops = sorted({k.split(".")[0] + "." for k in tensors})
+        raise ValueError(f"no model tensor under the prefix {prefix!r}: the checkpoint's keys begin with {tops}.")
+    if model is None:
+        return names
+    problems = _does_not_fit({n: tensors[k][0] for k, n in names.items()}, model, set(tied))
+    if problems:
+        raise ValueError(
+            f"the checkpoint's model (names under {prefix!r}) does not fit the Hugging Face model of the config: "
+            + "; ".join(problems)
+            + ". Give the config the model was trained with, or --prefix (prefix=) the path to the Hugging Face model"
+            " inside the LightningModule (self.model: 'model.')."
+        )
+    keys = {n: k for k, n in names.items()}
+    return {keys[n]: n for n in model if n in keys}
+
+
+def _common_prefix(keys: list[str]) -> str:
+    """The leading dotted components every key shares (never a key's last component)."""
+    parts = [k.split(".")[:-1] for k in keys]
+    common = []
+    for components in zip(*parts):
+        if len(set(components)) > 1:
+            break
+        common.append(components[0])
+    return "".join(f"{c}." for c in common)
+
+
+def _does_not_fit(
+    found: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]], tied: set[str], limit: int = 8
+) -> list[str]:
+    """What keeps ``found`` (name -> shape) from being the state dict ``shapes`` describes, one phrase a kind."""
+
+    def listed(items: list[str]) -> str:
+        return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+    absent = [n for n in shapes if n not in found and n not in tied]
+    extra = [n for n in found if n not in shapes]
+    misshaped = [f"{n} {list(s)} (the model: {list(shapes[n])})" for n, s in found.items() if shapes.get(n, s) != s]
+    phrases = ("missing from the checkpoint", "in the checkpoint, not in the model", "different shapes")
+    return [f"{what}: {listed(items)}" for what, items in zip(phrases, (absent, extra, misshaped)) if items]
+
+
+def _hf_model_names(config: Path) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """The state dict (name -> shape) of the Hugging Face model ``config/config.json`` describes, built on the meta
+    device (no memory), and the second names of its tied tensors."""
+    if not (config / "config.json").is_file():
+        raise FileNotFoundError(f"{config}/config.json: no such file. Give the Hugging Face model's folder.")
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(f"reading {config}/config.json needs transformers: pip install transformers ({e})") from e
+    hf_config = transformers.AutoConfig.from_pretrained(str(config))
+    with torch.device("meta"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        except ValueError:  # not a causal language model
+            model = transformers.AutoModel.from_config(hf_config)
+    state = model.state_dict(keep_vars=True)  # parameters themselves: a tied one is one object under two names
+    first: dict[int, str] = {}
+    tied = {k for k, t in state.items() if first.setdefault(id(t), k) != k}
+    return {k: tuple(t.shape) for k, t in state.items()}, tied
+
+
+def _copy(src: Path, f: Any) -> None:
+    f.write(src.read_bytes())
+
+
+def _write_safetensors(f: Any, entries: dict[str, tuple[str, tuple[int, ...], torch.dtype]], reader: Any) -> None:
+    """One ``*.safetensors`` file: the header (from shapes and dtypes), then each tensor (``entries``: name ->
+    checkpoint key, shape, dtype) read alone from the checkpoint and its bytes appended."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_sgdtp.checkpoint.huggingface import _DTYPES
+
+    names = {dtype: name for name, dtype in _DTYPES.items()}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (_, shape, dtype) in entries.items():
+        if dtype not in names:
+            raise ValueError(f"{name}: dtype {dtype} has no safetensors name (supported: {sorted(map(str, names))})")
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # tensors aligned to 8 bytes, as safetensors writes them
+    f.write(struct.pack("<Q", len(text)) + text)
+    for key, shape, dtype in entries.values():
+        target = {f"{MODEL_KEY}.{key}": torch.empty(shape, dtype=dtype)}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(target, storage_reader=reader, no_dist=True)
+        f.write(target[f"{MODEL_KEY}.{key}"].reshape(-1).view(torch.uint8).numpy().data)

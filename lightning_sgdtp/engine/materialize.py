@@ -57,8 +57,12 @@ class Materialized:
     source: str | None = None
 
     def describe(self) -> list[str]:
-        held = f"{self.allocated_bytes / 2**20:,.1f} MiB"
+        from lightning_sgdtp.planner.units import size_text
+
+        held = size_text(self.allocated_bytes)
         line = f"materialized on meta: this rank allocated its part ({self.allocated} tensors, {held})"
+        if not self.allocated:  # a model built with its weights: overwritten in place
+            line = "pretrained weights into the model as split (it was built with weights)"
         if self.source is not None:
             line += f"; {self.loaded} read by shard from {self.source}"
         if self.initialized:

@@ -324,6 +324,15 @@ class Job:
         if self.preemption is not None and self.preemption.agreed:
             self.preemption.preempt(trainer, self.broadcast, self.host.global_rank, self.report.say)
 
+    def stays_in_place(self, module: nn.Module) -> bool:
+        """Whether ``module`` stays where it is at teardown: split on a mesh, a pipeline rank's stages, or (setup
+        failed early) still on the meta device; ``module.cpu()`` can move none of them."""
+        from lightning_sgdtp.engine.materialize import has_meta
+        from lightning_sgdtp.engine.parallelize import is_tensor_parallel
+
+        in_place = self.engine is not None and self.engine.holds_a_part
+        return in_place or is_tensor_parallel(module) or has_meta(module)
+
     def teardown(self, forget: bool = False) -> None:
         """Undo what setup installed: the training settings, the engine's changes, the preemption signal, the
         fault guard's heartbeat, the watchdog. ``forget``: drop the engine and the watchdog too (a later setup

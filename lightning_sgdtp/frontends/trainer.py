@@ -45,7 +45,7 @@ from lightning_sgdtp.checkpoint.resume import ResumableLoader
 from lightning_sgdtp.config import SGDTPConfigError
 from lightning_sgdtp.engine.base import EngineInputs, StepEngine
 from lightning_sgdtp.engine.compiled import CompiledStep
-from lightning_sgdtp.engine.parallelize import is_tensor_parallel, to_device
+from lightning_sgdtp.engine.parallelize import to_device
 from lightning_sgdtp.engine.pipelined import PipelinedStep
 from lightning_sgdtp.engine.step_compile import check_not_compiled
 from lightning_sgdtp.frontends.job import FrontEnd, Job, strategy_docs, strategy_signature
@@ -399,10 +399,9 @@ class SGDTPStrategy(FrontEnd, ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._job.teardown()
-        in_place = self._job.engine is not None and self._job.engine.holds_a_part
-        if self.lightning_module is not None and (in_place or is_tensor_parallel(self.lightning_module)):  # on a mesh
+        if self.lightning_module is not None and self._job.stays_in_place(self.lightning_module):  # on a mesh
             # As Lightning's ModelParallelStrategy: a split module stays where it is (``module.cpu()`` cannot swap
-            # DTensor parameters, nor copy a pipeline's released ones); the rest of Strategy.teardown.
+            # DTensor parameters, nor copy a pipeline's released ones or a meta model's); the rest of teardown.
             assert self.cluster_environment is not None and self.accelerator is not None
             self.cluster_environment.teardown()
             _optimizers_to_device(self.optimizers, torch.device("cpu"))
