@@ -163,6 +163,36 @@ def match(
     return Match(prefix, keys, missing, unexpected, misshaped)
 
 
+def renamed(index: dict[str, StoredTensor], model: Any) -> dict[str, StoredTensor]:
+    """The checkpoint's names as ``model`` (a ``transformers`` model) calls its tensors: the renamings
+    ``from_pretrained`` applies (GPT-NeoX's ``embed_out`` is ``lm_head``). A checkpoint that needs a conversion of
+    the tensors themselves (experts stored one by one, the model holding them stacked) cannot be read by shard: it is
+    refused, named."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # another transformers: names as stored
+        return index
+    transforms = get_model_conversion_mapping(model) or []
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    out, converted = {}, []
+    for name, stored in index.items():
+        new, pattern = rename_source_key(name, renamings, converters)
+        if pattern is not None:
+            converted.append(name)
+        out[new] = stored
+    if converted:
+        raise PretrainedError(
+            f"{type(model).__name__}'s checkpoint stores {converted[:4]}{' ...' if len(converted) > 4 else ''} in a"
+            " layout transformers converts while loading (several tensors into one): that cannot be read by shard."
+            " Convert it once, in one process: model = from_pretrained(folder);"
+            " model.save_pretrained(new_folder, save_original_format=False) (the model's own layout), then give"
+            " new_folder as pretrained."
+        )
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- reading
 def read_slice(f: Any, stored: StoredTensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> Tensor:
     """The block ``offsets``/``lengths`` of ``stored``, read with plain reads from the open file ``f``: one read when
@@ -202,6 +232,26 @@ def _reader_class() -> type:
         def __init__(self, path: str, index: dict[str, StoredTensor]) -> None:
             super().__init__(path)
             self.index = index
+
+        def read_metadata(self) -> Any:
+            """DCP's metadata from the headers already read (``index``: names as the model calls them)."""
+            from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+            from torch.distributed.checkpoint.metadata import (
+                ChunkStorageMetadata,
+                Metadata,
+                MetadataIndex,
+                StorageMeta,
+                TensorProperties,
+                TensorStorageMetadata,
+            )
+
+            tensors, storage = {}, {}
+            for name, stored in self.index.items():
+                size, origin = torch.Size(stored.shape), [0] * len(stored.shape)
+                chunk = ChunkStorageMetadata(offsets=torch.Size(origin), sizes=size)
+                tensors[name] = TensorStorageMetadata(TensorProperties(dtype=stored.dtype), size, [chunk])
+                storage[MetadataIndex(fqn=name, offset=origin)] = _HFStorageInfo(str(stored.file), size, stored.dtype)
+            return Metadata(state_dict_metadata=tensors, storage_data=storage, storage_meta=StorageMeta())
 
         def read_data(self, plan: Any, planner: Any) -> Any:
             from torch.futures import Future

@@ -90,6 +90,8 @@ def materialize(
     names = _names_by_id(module, state)
     index = hf.read_index(pretrained) if pretrained is not None else {}
     found = hf.find_hf_model(module)
+    if found is not None and index:
+        index = hf.renamed(index, found[1])  # names as the model calls them (from_pretrained's renamings)
     matched = None
     if pretrained is not None:
         matched = _match(module, state, index, found)
@@ -261,6 +263,11 @@ def _initialize(
         tried.append(label)
         saved_params, saved_buffers = dict(sub._parameters), dict(sub._buffers)
         try:
+            # what is not being initialized (read from the checkpoint, or another rank's) the function writes into
+            # a stand-in on the meta device: no memory, and the real tensor keeps its values
+            for attr, t, is_param in _own(sub):
+                stand_in = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+                (sub._parameters if is_param else sub._buffers)[attr] = nn.Parameter(stand_in) if is_param else stand_in
             for attr, t, is_param in own:
                 full = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
                 if full.is_floating_point():

@@ -261,3 +261,29 @@ def test_init_weights_option() -> None:
         SGDTPConfig(init_weights="os.path:nothing").init_function()
     with pytest.raises(SGDTPConfigError, match=r"pretrained='/nonexistent': no \*\.safetensors file there"):
         SGDTPConfig(pretrained="/nonexistent")
+
+
+def test_transformers_renamings_apply_and_a_converted_layout_is_refused(tmp_path: Path) -> None:
+    """GPT-NeoX's checkpoints name the head ``embed_out`` (transformers renames it ``lm_head`` while loading): read
+    by its model name. Mixtral's store each expert alone (transformers stacks them): refused, with the one-time
+    conversion that makes a folder readable by shard."""
+    import transformers
+
+    small = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    small["num_attention_heads"] = 4
+    neox = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**small))
+    neox.save_pretrained(tmp_path / "neox")
+    with torch.device("meta"):
+        built = transformers.GPTNeoXForCausalLM(neox.config)
+    materialize(built, CPU, pretrained=tmp_path / "neox")
+    assert all(torch.equal(a, b) for a, b in zip(neox.state_dict().values(), built.state_dict().values()))
+
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(**small, num_local_experts=2))
+    mixtral.save_pretrained(tmp_path / "mixtral")
+    with torch.device("meta"):
+        built = transformers.MixtralForCausalLM(mixtral.config)
+    with pytest.raises(hf.PretrainedError, match="save_original_format=False"):
+        materialize(built, CPU, pretrained=tmp_path / "mixtral")
+    mixtral.save_pretrained(tmp_path / "stacked", save_original_format=False)
+    materialize(built, CPU, pretrained=tmp_path / "stacked")
+    assert all(torch.equal(a, b) for a, b in zip(mixtral.state_dict().values(), built.state_dict().values()))
