@@ -54,7 +54,7 @@ from lightning_sgdtp.planner.units import PlannerInputError, parse_memory, size_
 CKPT_NOT_WITH_TP = "activation checkpointing with tensor parallel is not built yet (torch 2.13's AOTAutograd)"
 HSDP_NOT_WITH_PP = "hybrid sharding (shard_size) with pipeline stages is not built yet"
 #: Where the docs explain the setup peak and building the model on the meta device.
-SETUP_DOC = "docs/planner.md#the-setup-peak"
+SETUP_DOC = "docs/big-models.md"
 #: What ``fixed`` may hold: the fields of a layout and of its schedule.
 FIXABLE = ("dp", "tp", "pp", "sharding", "shard_size", "checkpointing", "micro_batches", "pipeline", "stages_per_rank")
 
