@@ -118,3 +118,19 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_any_step(tmp_path: Pat
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+@pytest.mark.slow
+def test_fabric_builds_on_meta_and_reads_pretrained_by_shard(tmp_path: Path) -> None:
+    """Fabric: ``fabric.init_module(empty_init=True)``, the optimizer made from the meta parameters, ``fabric.setup``
+    shards and reads the weights; the first loss is the one of the same weights in one process, training moves it,
+    the export loads."""
+    import transformers
+
+    rc, log, _, timed_out = run_python([str(JOBS / "fabric_meta.py"), str(tmp_path)], job_env(), timeout=300)
+    assert rc == 0 and not timed_out, log[-4000:]
+    result = json.loads((tmp_path / "fabric_meta.json").read_text())
+    assert result["meta"] and abs(result["losses"][0] - result["reference"]) < 1e-5, result
+    assert result["losses"][1] < result["losses"][0], result
+    assert "materialized on meta" in log and "read by shard" in log, log[-3000:]
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").config.num_hidden_layers == 2
