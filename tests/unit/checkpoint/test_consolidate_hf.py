@@ -21,32 +21,9 @@ from lightning_sgdtp.cli import main
 from lightning_sgdtp.trust import sign_dir
 
 transformers = pytest.importorskip("transformers")
+from helpers.hf import Wrapper, llama_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-def llama_config(tie: bool = False, hidden: int = 32) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
-
-
-class Wrapper(nn.Module):
-    """A LightningModule's shape: the Hugging Face model as ``self.model`` (keys ``model.model.layers...``), and,
-    with ``head``, a module of its own beside it."""
-
-    def __init__(self, config: transformers.LlamaConfig, dtype: torch.dtype, head: bool = False) -> None:
-        super().__init__()
-        self.model = transformers.LlamaForCausalLM(config).to(dtype)
-        if head:
-            self.value = nn.Linear(config.hidden_size, 1)
 
 
 def save_sharded(

@@ -17,28 +17,7 @@ from lightning_sgdtp import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.checkpoint import huggingface as hf
 
 transformers = pytest.importorskip("transformers")
-
-
-def llama_config(tie: bool = False) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
-
-
-class Wrapper(nn.Module):
-    """A LightningModule's shape: the Hugging Face model as ``self.model``, beside a module of its own."""
-
-    def __init__(self, config: transformers.LlamaConfig) -> None:
-        super().__init__()
-        self.model = transformers.LlamaForCausalLM(config)
-        self.value = nn.Linear(32, 1)  # not in the checkpoint: neither missing nor a prefix
+from helpers.hf import Wrapper, llama_config
 
 
 @pytest.fixture(scope="module")

@@ -18,29 +18,9 @@ from lightning_sgdtp.checkpoint import huggingface as hf
 from lightning_sgdtp.engine.materialize import MaterializeError, has_meta, materialize
 
 transformers = pytest.importorskip("transformers")
+from helpers.hf import Wrapper, llama_config
+
 CPU = torch.device("cpu")
-
-
-def llama_config(tie: bool = False) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
-
-
-class Wrapper(nn.Module):
-    """A LightningModule's shape: the Hugging Face model as ``self.model``, and a module of its own beside it."""
-
-    def __init__(self, config: transformers.LlamaConfig) -> None:
-        super().__init__()
-        self.model = transformers.LlamaForCausalLM(config)
-        self.value = nn.Linear(32, 1)
 
 
 def on_meta(tie: bool = False) -> Wrapper:

@@ -1,0 +1,38 @@
+"""A tiny ``transformers`` Llama and the LightningModule shape around it, for the tests of Hugging Face checkpoints
+(reading by shard, writing back, consolidating): the model as ``self.model`` (state dict keys
+``model.model.layers...``), with, optionally, a module of the user's own beside it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def llama_config(tie: bool = False, hidden: int = 32) -> object:
+    import transformers
+
+    return transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
+
+
+class Wrapper(nn.Module):
+    """A LightningModule's shape: the Hugging Face model as ``self.model``; ``head``: a module of its own beside it
+    (``value``: not in a Hugging Face checkpoint, neither missing nor a prefix)."""
+
+    def __init__(self, config: object, dtype: torch.dtype | None = None, head: bool = True) -> None:
+        import transformers
+
+        super().__init__()
+        self.model = transformers.LlamaForCausalLM(config)
+        if dtype is not None:
+            self.model.to(dtype)
+        if head:
+            self.value = nn.Linear(config.hidden_size, 1)
