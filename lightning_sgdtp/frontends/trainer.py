@@ -34,6 +34,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -132,7 +133,8 @@ class SGDTPStrategy(FrontEnd, ParallelStrategy):
         # compiled module with our own message (Lightning's generic one comes right after).
         if module is not None:
             check_not_compiled(module)
-            if self._job.config.activation_checkpointing and find_block_stack(module) is None:
+            built_later = is_overridden("configure_model", module, pl.LightningModule)  # its layers come at setup
+            if self._job.config.activation_checkpointing and find_block_stack(module) is None and not built_later:
                 raise SGDTPConfigError(no_block_stack_message(module))
         self.__dict__["_lm"] = module
 
