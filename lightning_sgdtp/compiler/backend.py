@@ -35,7 +35,7 @@ from lightning_sgdtp.compiler.artifacts import PLUGIN_FINGERPRINT, install_atomi
 from lightning_sgdtp.compiler.bucket_cost import CostModel
 from lightning_sgdtp.compiler.buckets import GraphBuckets, insert_bucketed_allreduce
 from lightning_sgdtp.compiler.regions import REGION_PATCHES, holds_regions
-from lightning_sgdtp.compiler.shard_proof import check_sharded_gradients, count_collectives
+from lightning_sgdtp.compiler.shard_proof import check_sharded_gradients, count_collectives, gradient_positions
 from lightning_sgdtp.compiler.waits import one_tensor_per_output, one_wait_per_collective
 from lightning_sgdtp.config import SGDTPConfig
 from lightning_sgdtp.parallel.sharding import MARK
@@ -173,7 +173,7 @@ class SGDTPCompiler:
             if isinstance(value, torch.nn.Parameter) and value.requires_grad:
                 name = self.param_names.get(id(value)) or _source_name(node)
                 if getattr(value, MARK, False):
-                    shard_outputs[offsets[i]] = name
+                    shard_outputs[i] = name  # by input; its backward output is found from the graph (below)
                     continue
                 grad_outputs[offsets[i]] = name
                 params[offsets[i]] = value
@@ -207,7 +207,10 @@ class SGDTPCompiler:
                 if not kwargs.get("is_backward"):
                     record["collectives_in_forward"] = count_collectives(g.graph)
                 elif self.settings.prove_shards:
-                    record.update(check_sharded_gradients(g.graph, shard_outputs, graph_id))
+                    at = gradient_positions(g.graph, len(example_inputs)) or offsets
+                    record.update(
+                        check_sharded_gradients(g.graph, {at[i]: n for i, n in shard_outputs.items()}, graph_id)
+                    )
                 else:
                     record["proof"] = "skipped (negative control)"
                 record["bucketing"] = (

@@ -57,6 +57,22 @@ def reduced(node: Any, limit: int = 64) -> bool:
     return bool(inputs) and reduced(inputs[0], limit - 1)
 
 
+def gradient_positions(graph: fx.Graph, inputs: int) -> list[int] | None:
+    """Where each graph input's gradient starts among the backward's outputs, read from the outputs themselves.
+
+    AOTAutograd flattens a gradient by its own type, not its input's: a DTensor gradient is two outputs (its local
+    tensor, then its mesh, an opaque placeholder), even for a plain input (a pipeline stage's rotary tables, read
+    with tensor-parallel activations, get DTensor gradients). Counting the inputs' leaves then misplaces every later
+    parameter. Here each output that is not a tensor (a mesh) belongs to the gradient before it. None when the
+    grouping does not give one gradient per input."""
+    starts: list[int] = []
+    for position, out in enumerate(graph.output_node().args[0]):
+        leaf = isinstance(out, fx.Node) and not isinstance(out.meta.get("val"), torch.Tensor)
+        if not (leaf and starts):  # a tensor or None starts the next input's gradient
+            starts.append(position)
+    return starts if len(starts) == inputs else None
+
+
 def check_sharded_gradients(graph: fx.Graph, outputs: dict[int, str], graph_id: int) -> dict[str, Any]:
     """Check every ``outputs`` entry (backward output index -> parameter name); raise if one is not reduced.
     Returns what the graph communicates, for the plan."""

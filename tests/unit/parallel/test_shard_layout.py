@@ -9,7 +9,12 @@ import torch
 from torch import fx
 
 from lightning_sgdtp import SGDTPConfig, SGDTPConfigError
-from lightning_sgdtp.compiler.shard_proof import UnreducedGradientError, check_sharded_gradients, reduced
+from lightning_sgdtp.compiler.shard_proof import (
+    UnreducedGradientError,
+    check_sharded_gradients,
+    gradient_positions,
+    reduced,
+)
 from lightning_sgdtp.parallel.sharding import shard_dim
 
 c10d = torch.ops._c10d_functional
@@ -56,6 +61,24 @@ def test_a_reduce_scattered_gradient_is_proved_and_a_local_one_is_refused() -> N
     assert not reduced(bad.output_node().args[0][0])
     with pytest.raises(UnreducedGradientError, match=r"graph 3 the gradient of sharded parameter\(s\) \['blocks.0.fc"):
         check_sharded_gradients(bad, outputs, graph_id=3)
+
+
+def test_each_input_gradient_is_found_where_aotautograd_put_it() -> None:
+    """Issue 43: a pipeline stage of a 3-D layout (pp x dp x tp, sharded) on transformers Llama. Its rotary tables
+    are plain inputs whose gradients are DTensors (two outputs each: local tensor, mesh), so counting the inputs'
+    leaves put the o_proj weight's gradient on a mesh placeholder and the proof refused a reduced gradient. The
+    positions come from the outputs: a non-tensor output (a mesh) belongs to the gradient before it."""
+    g = fx.Graph()
+    mesh = g.placeholder("mesh")
+    mesh.meta["val"] = object()  # an opaque DeviceMesh, as AOTAutograd passes it
+    plain = g.placeholder("tangent")
+    plain.meta["val"] = torch.empty(4)
+    # inputs: a sharded weight (DTensor: local + mesh), a mesh, a plain table with a DTensor gradient, a mask (no
+    # gradient), a second sharded weight
+    outputs = (plain, mesh, None, plain, mesh, None, plain, mesh)
+    g.output(outputs)
+    assert gradient_positions(g, 5) == [0, 2, 3, 5, 6]
+    assert gradient_positions(g, 4) is None  # not one gradient per input: the caller keeps the leaf count
 
 
 def test_sharding_options_fail_at_construction_with_the_fix() -> None:
