@@ -53,69 +53,89 @@ def load_factory(target: str) -> Callable[[], Any]:
     return factory
 
 
-def _plan_hardware(args: argparse.Namespace) -> tuple[Any, int]:
-    """The hardware of ``sgdtp plan`` (``--hardware``, ``--gpu-memory``, ``--topology``) and devices per node."""
+def _plan_topology(path: str | None) -> Any:
+    """The ``--topology`` file as the topology of one node (None without it); a file that cannot be read, named."""
+    if path is None:
+        return None
+    from lightning_sgdtp.mesh.topology import Topology, TopologyError
+    from lightning_sgdtp.planner.units import PlannerInputError
+
+    try:
+        return Topology.from_nvidia_smi(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, TopologyError) as e:
+        raise PlannerInputError(
+            f"--topology {path}: {e}. Give the output of `nvidia-smi topo -m` on one node, saved as text (examples:"
+            " tests/data/topology/)."
+        ) from e
+
+
+def _plan_hardware(args: argparse.Namespace, topology: Any) -> tuple[Any, int]:
+    """The hardware of ``sgdtp plan`` (``--hardware``, ``--gpu-memory``, the topology of one node) and devices per
+    node, from inputs ``check_inputs`` passed."""
     import dataclasses
 
-    from lightning_sgdtp.mesh.topology import Topology, TopologyError
     from lightning_sgdtp.planner.cost import HARDWARE, PCIE
-    from lightning_sgdtp.planner.search import PlannerInputError, parse_memory
+    from lightning_sgdtp.planner.units import parse_memory
 
     hardware = HARDWARE[args.hardware]
     if args.gpu_memory is not None:
         hardware = dataclasses.replace(hardware, memory_bytes=parse_memory(args.gpu_memory))
-    per_node = args.gpus_per_node
-    if args.topology is not None:
+    if topology is None:
+        return hardware, args.gpus_per_node if args.gpus_per_node is not None else 8
+    topology = dataclasses.replace(topology, num_nodes=args.nodes)
+    per_node = topology.devices_per_node
+    island = topology.auto_tp_size() if topology.has_nvlink() else 1
+    node_link = hardware.node_link if island == per_node else PCIE
+    hardware = dataclasses.replace(
+        hardware, island=island, node_link=node_link, name=f"{hardware.name}, {topology.describe()}"
+    )
+    return hardware, per_node
+
+
+def _plan_module(target: str) -> Any:
+    """The module of ``sgdtp plan``'s TARGET: a named shape, or what the factory builds on the meta device."""
+    import torch
+
+    from lightning_sgdtp.planner.shapes import SHAPES, build
+
+    if target in SHAPES:
+        return build(target)
+    factory = load_factory(target)
+    with torch.device("meta"):  # the model's shapes only: no memory, whatever its size
         try:
-            topology = Topology.from_nvidia_smi(Path(args.topology).read_text(), args.nodes)
-        except (OSError, UnicodeDecodeError, TopologyError) as e:
-            raise PlannerInputError(
-                f"--topology {args.topology}: {e}. Give the output of `nvidia-smi topo -m` on one node, saved as"
-                " text (examples: tests/data/topology/)."
-            ) from e
-        if per_node is not None and per_node != topology.devices_per_node:
-            raise PlannerInputError(
-                f"--gpus-per-node {per_node} but the topology file has {topology.devices_per_node} GPUs: drop"
-                " --gpus-per-node or record the topology of the nodes you plan for"
-            )
-        per_node = topology.devices_per_node
-        island = topology.auto_tp_size() if topology.has_nvlink() else 1
-        node_link = hardware.node_link if island == per_node else PCIE
-        hardware = dataclasses.replace(
-            hardware, island=island, node_link=node_link, name=f"{hardware.name}, {topology.describe()}"
-        )
-    return hardware, per_node or 8
+            return factory()
+        except Exception as e:
+            raise TargetError(f"{target}() failed: {type(e).__name__}: {e} (it must take no argument)") from e
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import torch
+    import dataclasses
 
     from lightning_sgdtp.planner.cost import profile
-    from lightning_sgdtp.planner.search import FIXABLE, PlannerInputError, check_a_layout_is_left, plan
-    from lightning_sgdtp.planner.shapes import SHAPES, build
+    from lightning_sgdtp.planner.inputs import CLI, check_inputs, parse_fix
+    from lightning_sgdtp.planner.search import PlannerInputError, check_a_layout_is_left, plan
+    from lightning_sgdtp.planner.shapes import SHAPES
 
     try:
-        hardware, per_node = _plan_hardware(args)
-        fixed: dict[str, Any] = {}
-        for item in args.fix:
-            key, _, value = item.partition("=")
-            if key not in FIXABLE or not value:
-                raise PlannerInputError(f"--fix {item!r}: give NAME=VALUE with NAME one of {list(FIXABLE)}")
-            fixed[key] = (
-                value if key in ("sharding", "pipeline") else value == "true" if key == "checkpointing" else int(value)
-            )
+        fixed = parse_fix(args.fix)
+        topology = _plan_topology(args.topology)
+        module = _plan_module(args.target)
+        check_inputs(
+            module=module,
+            nodes=args.nodes,
+            devices_per_node=args.gpus_per_node,
+            topology_devices=topology.devices_per_node if topology is not None else None,
+            memory=args.gpu_memory,
+            tokens=args.seq_len,
+            batch=args.batch,
+            global_batch=args.global_batch,
+            optimizer_states=args.optimizer_states,
+            rows=args.rows,
+            fixed=fixed,
+            spelling=dataclasses.replace(CLI, names={**CLI.names, "module": f"TARGET {args.target}"}),
+        )
+        hardware, per_node = _plan_hardware(args, topology)
         shape = SHAPES.get(args.target)
-        if shape is not None:
-            module = build(args.target)
-        else:
-            factory = load_factory(args.target)
-            with torch.device("meta"):  # the model's shapes only: no memory, whatever its size
-                try:
-                    module = factory()
-                except Exception as e:
-                    raise TargetError(
-                        f"{args.target}() failed: {type(e).__name__}: {e} (it must take no argument)"
-                    ) from e
         tokens = args.seq_len or (shape.tokens if shape else 1)
         batch = args.batch or (shape.batch if shape else 1)
         model = profile(module, tokens, batch, activation_bytes=2 if args.precision.startswith(("bf16", "16")) else 4)

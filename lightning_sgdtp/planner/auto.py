@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.planner.cost import HARDWARE, Hardware, measured_hardware, profile
+from lightning_sgdtp.planner.inputs import check_inputs
 from lightning_sgdtp.planner.search import (
     Candidate,
     Plan,
@@ -145,6 +146,15 @@ def decide(
     batch, tokens, source = batch_shape(module)
     fixed = {**(fixed or {}), **fixed_fields(config, given)}
     try:
+        check_inputs(
+            module=module,
+            world_size=world_size,
+            devices_per_node=devices_per_node,
+            tokens=tokens,
+            batch=batch,
+            memory=config.max_memory_per_rank,
+            fixed=fixed,
+        )
         model = profile(module, tokens, batch, activation_bytes)
         result = plan(module, model, hardware, world_size, devices_per_node, config.max_memory_per_rank, fixed=fixed)
         check_a_layout_is_left(result, world_size, fixed)

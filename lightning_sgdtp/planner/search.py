@@ -41,6 +41,7 @@ from lightning_sgdtp.planner.cost import (
     step_time,
     tp_split_fraction,
 )
+from lightning_sgdtp.planner.inputs import FIXABLE, world_problem
 from lightning_sgdtp.planner.memory import (
     SHARDINGS,
     Layout,
@@ -55,8 +56,6 @@ CKPT_NOT_WITH_TP = "activation checkpointing with tensor parallel is not built y
 HSDP_NOT_WITH_PP = "hybrid sharding (shard_size) with pipeline stages is not built yet"
 #: Where the docs explain the setup peak and building the model on the meta device.
 SETUP_DOC = "docs/big-models.md"
-#: What ``fixed`` may hold: the fields of a layout and of its schedule.
-FIXABLE = ("dp", "tp", "pp", "sharding", "shard_size", "checkpointing", "micro_batches", "pipeline", "stages_per_rank")
 
 
 @dataclass
@@ -98,11 +97,9 @@ class Candidate:
 def candidate_layouts(world_size: int, devices_per_node: int, blocks: int) -> list[Candidate]:
     """Every layout of ``world_size`` ranks: the ones the strategy can build, the ones it cannot yet (``built``
     False, with the reason) and the impossible ones (``skipped``, with the reason)."""
-    if world_size < 1 or devices_per_node < 1 or world_size % devices_per_node and world_size > devices_per_node:
-        raise PlannerInputError(
-            f"world size {world_size} with {devices_per_node} devices per node: the world size must be a multiple of"
-            " the devices per node (whole nodes), both >= 1"
-        )
+    problem = world_problem(world_size, devices_per_node)  # the front doors check first (check_inputs): a guard
+    if problem:
+        raise PlannerInputError(problem)
     out = []
     for sizes, skipped in _axis_sizes(searched_axes(TECHNIQUES), world_size, devices_per_node, blocks):
         dp = world_size // math.prod(sizes.values())

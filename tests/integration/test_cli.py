@@ -1,6 +1,7 @@
-"""The `sgdtp` command line in fresh interpreters: `sgdtp diagnose`, `sgdtp doctor`, `sgdtp sign` / `sgdtp verify`.
-What a command prints is its feature here: these tests read its output. (The library functions behind each command:
-tests/unit/diagnose/test_diagnose.py, test_doctor.py, test_trust.py.)"""
+"""The `sgdtp` command line in fresh interpreters: `sgdtp diagnose`, `sgdtp doctor`, `sgdtp plan`, `sgdtp sign` /
+`sgdtp verify`. What a command prints is its feature here: these tests read its output. (The library functions behind
+each command: tests/unit/diagnose/test_diagnose.py, test_doctor.py, test_trust.py; every input `sgdtp plan` refuses,
+in-process: tests/unit/planner/test_planner_inputs.py.)"""
 
 from __future__ import annotations
 
@@ -137,6 +138,19 @@ def test_this_machine_and_the_cli(tmp_path: Path) -> None:
     )
     result = json.loads(as_json.stdout)
     assert as_json.returncode == 0 and result["ok"] and result["wheel_tag"] == "cu121-cp311-linux_x86_64"
+
+
+# -------------------------------------------------------------------------------------------------------- plan
+def test_cli_plan_refuses_an_impossible_topology_with_exit_code_2_and_plans_a_possible_one() -> None:
+    target = "examples/gpt.py:GPTLightningModule"
+    refused = sgdtp("plan", target, "--nodes", "2", "--gpus-per-node", "0")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stderr[-3000:]
+    assert refused.stderr == (
+        "sgdtp plan: --gpus-per-node 0: a node has at least one GPU. Give --gpus-per-node 1 or more (default 8, or"
+        " the topology file's).\n"
+    )
+    planned = sgdtp("plan", target, "--nodes", "2", "--gpus-per-node", "2", "--rows", "1")
+    assert planned.returncode == 0 and "\nchosen: " in planned.stdout, planned.stderr[-3000:]
 
 
 # ------------------------------------------------------------------------------------------------ sign / verify

@@ -60,7 +60,7 @@ def test_every_layout_of_the_world_size_is_listed_and_what_is_not_built_says_why
     assert "every stage needs one" in layouts[Layout(dp=2, pp=8)]  # 8 stages, 4 blocks
     assert layouts[Layout(dp=2, tp=2, pp=4)] is None  # pipeline x data x tensor: built
     assert not [c for c in candidates if c.layout.dp == 1 and c.layout.sharding != "none"]  # nothing to shard over
-    with pytest.raises(PlannerInputError, match="multiple of the devices per node"):
+    with pytest.raises(PlannerInputError, match="runs on whole nodes, and 12 is not a multiple of 8"):
         candidate_layouts(world_size=12, devices_per_node=8, blocks=4)
 
 
