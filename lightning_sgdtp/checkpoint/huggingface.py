@@ -365,11 +365,6 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def global_shape(t: Tensor) -> tuple[int, ...]:
-    """The whole tensor's shape (a DTensor's global one)."""
-    return tuple(t.shape)
-
-
 def find_hf_model(module: nn.Module) -> tuple[str, Any] | None:
     """The outermost ``transformers`` model inside ``module`` (its name as a prefix, e.g. ``"model."``, and the
     model), or None."""
