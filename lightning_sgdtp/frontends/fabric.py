@@ -17,7 +17,6 @@ Imports ``lightning.fabric`` only (never ``lightning.pytorch``). Checkpoints are
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import sys
 import weakref
@@ -36,6 +35,7 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.wrappers import _unwrap_objects
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -121,9 +121,8 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self._set_world_ranks()
-        self._job.start(_get_default_process_group_backend_for_device(self.root_device))
+        self._job.start_for_loop(_get_default_process_group_backend_for_device(self.root_device))  # SLURM, atexit
         _report_uncaught(self._job)  # Fabric has no on_exception: an error that ends this rank ends its peers too
-        atexit.register(_stop_heartbeat_at_exit, weakref.ref(self._job))  # nor a teardown call
         if not self._job.config.planned:
             self._lay_out(None)
 
@@ -360,6 +359,11 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
         rest, loaded = self._job.load(path, module, optimizers, weights_only, load_file)
         return from_trainer_layout(rest, state, loaded, strict, self.load_module_state_dict)
 
+    def requeue_if_agreed(self, path: _PATH, state: dict[str, Any]) -> None:
+        """Call at the end of each step (every rank). On SLURM, once the ranks agreed on its signal (``--signal``,
+        the time limit): ``fabric.save(path, state)``, requeue the job, exit 0; the loop loads ``path`` on restart."""
+        self._job.requeue_if_agreed(path, lambda where: self.save_checkpoint(where, _unwrap_objects(state)))
+
     # ------------------------------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
@@ -423,15 +427,6 @@ def _pending_fabric_compile() -> bool:
             return frame.f_locals.get("compile_kwargs") is not None
         frame = frame.f_back
     return False
-
-
-def _stop_heartbeat_at_exit(ref: weakref.ref[Job]) -> None:
-    """A script that ends without ``fabric.strategy.teardown()``: the heartbeat thread stops, and the peers learn
-    that this rank left on purpose, before the interpreter finalizes (no collective: the peers may be gone)."""
-    job = ref()
-    if job is not None:
-        with contextlib.suppress(Exception):
-            job.guard.close()
 
 
 def _report_uncaught(job: Job) -> None:

@@ -10,10 +10,13 @@ both strategies show their users, read from the job; ``strategy_signature``/``st
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import inspect
 import textwrap
 import typing
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,7 +33,7 @@ from lightning_sgdtp.mesh.dims import ParallelDims
 from lightning_sgdtp.observe.report import PlanReport, plan_dict
 from lightning_sgdtp.observe.timeline import OPTIMIZER_LABEL, label
 from lightning_sgdtp.planner.auto import given_options
-from lightning_sgdtp.runtime import processes
+from lightning_sgdtp.runtime import processes, shutdown
 from lightning_sgdtp.runtime.faults import FaultGuard
 from lightning_sgdtp.runtime.preemption import Preempted, PreemptionCoordinator
 from lightning_sgdtp.runtime.shutdown import ShutdownWatchdog
@@ -109,6 +112,7 @@ class Job:
         self.guard = FaultGuard(self.config.collective_timeout, step=self.step)
         self.watchdog: ShutdownWatchdog | None = None
         self.preemption: PreemptionCoordinator | None = None
+        self._requeue_said = False
 
     def step(self) -> int:
         """The step a failure and the engine name: the Trainer's global step, else the optimizer steps taken."""
@@ -173,6 +177,13 @@ class Job:
         self.watchdog = processes.join(
             self.config, self.cluster(), self.process_group_backend, device, self.guard, self.watchdog, ignore
         )
+
+    def start_for_loop(self, default_backend: str) -> None:
+        """:meth:`start` for a front end with neither a step-end hook nor a teardown call (Fabric): SLURM's requeue
+        signal where its environment has one (the loop asks :meth:`requeue_if_agreed`), and :meth:`leave` at
+        interpreter exit."""
+        self.start(default_backend, requeue_signal(self.host.cluster_environment))
+        register_exit(self)
 
     def cluster(self) -> processes.Cluster:
         env, host = self.host.cluster_environment, self.host
@@ -324,6 +335,33 @@ class Job:
         if self.preemption is not None and self.preemption.agreed:
             self.preemption.preempt(trainer, self.broadcast, self.host.global_rank, self.report.say)
 
+    def requeue_if_agreed(self, path: Any, save: Callable[[str], None]) -> None:
+        """A loop's end of step (Fabric's): where the ranks agreed on SLURM's signal, ``save(path)`` on every rank
+        (the strategy's atomic save; ``path`` is rank 0's), requeue the job and stop (:class:`Preempted`, exit 0);
+        else nothing. The first call says on rank 0 what the signal will do."""
+        preemption = self.preemption
+        if preemption is None:
+            return
+        if not self._requeue_said:
+            self._requeue_said = True
+            self.report.say(
+                f"SLURM: on signal {preemption.signum} the ranks agree on a step; at its end the loop's"
+                f" requeue_if_agreed saves the state to {path}, requeues the job and stops"
+            )
+        if preemption.agreed:
+            where = self.broadcast(str(path))
+            rank, step = self.host.global_rank, self.step()
+            preemption.save_and_requeue(where, lambda: save(where), step, self.broadcast, rank, self.report.say)
+
+    def leave(self) -> None:
+        """At interpreter exit, where no teardown ran (a Fabric script's end): stop the heartbeat (joined: the peers
+        learn that this rank left on purpose) and, unless this rank failed (its countdown still bounds the exit), the
+        watchdog, before Python finalizes (:func:`leave_at_exit` then destroys the process group)."""
+        failed = self.guard.failed
+        self.guard.close()
+        if self.watchdog is not None and not failed:
+            self.watchdog.close()
+
     def stays_in_place(self, module: nn.Module) -> bool:
         """Whether ``module`` stays where it is at teardown: split on a mesh, a pipeline rank's stages, or (setup
         failed early) still on the meta device; ``module.cpu()`` can move none of them."""
@@ -377,6 +415,14 @@ class FrontEnd:
         self._job.num_nodes = num_nodes
 
     @property
+    def _num_nodes(self) -> int:  # the name Fabric's connector sets (Fabric(num_nodes=...)), the Trainer's num_nodes
+        return self._job.num_nodes
+
+    @_num_nodes.setter
+    def _num_nodes(self, num_nodes: int) -> None:
+        self._job.num_nodes = num_nodes
+
+    @property
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
@@ -412,6 +458,41 @@ class FrontEnd:
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return self._job.broadcast(obj, src)
+
+
+def requeue_signal(env: Any) -> int | None:
+    """SLURM's requeue signal where ``env`` is Lightning's ``SLURMEnvironment`` with ``auto_requeue`` (read by its
+    attributes: this module imports no Lightning), else None."""
+    signum = getattr(env, "requeue_signal", None)
+    return int(signum) if getattr(env, "auto_requeue", False) and signum is not None else None
+
+
+#: The jobs of this process that :func:`leave_at_exit` ends (one per Fabric; a script may make several).
+_AT_EXIT: weakref.WeakSet[Job] = weakref.WeakSet()
+_EXIT_HOOK: list[bool] = []
+
+
+def register_exit(job: Job) -> None:
+    """End ``job`` at interpreter exit (a front end that gets no teardown call): :func:`leave_at_exit`, registered
+    with ``atexit`` once per process."""
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(True)
+        atexit.register(leave_at_exit)
+    _AT_EXIT.add(job)
+
+
+def leave_at_exit() -> None:
+    """Every registered job's threads stop (:meth:`Job.leave`), then the process group is destroyed while Python is
+    alive, after meeting the peers unless this rank failed (a peer may never come):
+    :func:`~lightning_sgdtp.runtime.shutdown.leave_process_group`. In that order: the store the heartbeats write to
+    goes with the process group."""
+    jobs = list(_AT_EXIT)
+    failed = any(job.guard.failed for job in jobs)
+    for job in jobs:
+        with contextlib.suppress(Exception):
+            job.leave()
+    with contextlib.suppress(Exception):
+        shutdown.leave_process_group(meet=not failed)
 
 
 def strategy_signature(init: Callable[..., None]) -> inspect.Signature:

@@ -87,6 +87,7 @@ class Liveness:
         self.prefix = f"sgdtp/liveness/{job_key}"
         self.collective_timeout = collective_timeout
         self.interval = max(0.2, min(1.0, collective_timeout / 4))
+        self.store_timeout = max(2.0, 2 * self.interval)  # what one store operation may wait
         # A rank whose peers reported a failure has this long to fail on its own (with its own, better, message);
         # then its watchdog ends it. Seconds, not collective_timeout: the job has failed, waiting buys nothing.
         self.grace = min(collective_timeout, FAILURE_GRACE) + 2 * self.interval
@@ -100,7 +101,7 @@ class Liveness:
 
     # ------------------------------------------------------------------------------------------- store
     def _client(self) -> dist.TCPStore:
-        timeout = timedelta(seconds=max(2.0, 2 * self.interval))
+        timeout = timedelta(seconds=self.store_timeout)
         return dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout, wait_for_workers=False)
 
     def _key(self, what: str, rank: int | None = None) -> str:
@@ -193,7 +194,12 @@ class Liveness:
                 return
 
     def close(self) -> None:
-        """Stop the heartbeat; after a clean run, tell the peers that this rank left on purpose."""
+        """Stop the heartbeat; after a clean run, tell the peers that this rank left on purpose.
+
+        The thread is joined until its store operations have returned (a beat's two, each bounded by
+        ``store_timeout``: a slow or vanished store): a daemon thread that returns from a c10d call while the
+        interpreter finalizes is ended by ``pthread_exit``, which aborts the process ("terminate called without an
+        active exception", exit -6) after a successful run."""
         self._stop.set()
         if not self._reported:
             try:
@@ -201,7 +207,7 @@ class Liveness:
             except _STORE_ERRORS as error:
                 log.debug(f"sgdtp: rank {self.rank} could not report its clean exit: {error}")
         if self._thread is not None:
-            self._thread.join(timeout=2 * self.interval + 1)
+            self._thread.join(timeout=2 * self.store_timeout + self.interval + 1)
             self._thread = None
 
     # ---------------------------------------------------------------------------------------- diagnose

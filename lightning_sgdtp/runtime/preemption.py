@@ -8,6 +8,10 @@ the all-reduce they already run before every backward (the ledger's agreement), 
 same step; at the end of that step they save Lightning's ``hpc_ckpt_N.ckpt`` together, rank 0 requeues the job
 (:func:`requeue_slurm_job`) and every rank stops. When SLURM starts the job again, Lightning resumes from that
 checkpoint on its own (``trainer.fit(..., ckpt_path=None)`` under SLURM).
+
+A Fabric loop has no step-end hook: it asks at the end of each step (``fabric.strategy.requeue_if_agreed(path,
+state)``), and the same :meth:`PreemptionCoordinator.save_and_requeue` saves its ``state`` to ``path``, requeues and
+stops; the loop loads ``path`` when the job starts again (``docs/fabric.md``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -120,15 +125,24 @@ class PreemptionCoordinator:
         self.agree(bool(flag.item()))
 
     def preempt(self, trainer: Any, broadcast: Any, rank: int, say: Any) -> None:
-        """At the end of the agreed step: save the preemption checkpoint (every rank), requeue (rank 0), stop."""
-        self.agreed = False
+        """The Trainer's: at the end of the agreed step, save Lightning's ``hpc_ckpt_N.ckpt`` (every rank), requeue
+        (rank 0), stop; Lightning resumes from it when SLURM starts the job again."""
         path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
         path = broadcast(path)  # rank 0's name, in case the ranks see the folder differently
-        trainer.save_checkpoint(path)
+        self.save_and_requeue(path, lambda: trainer.save_checkpoint(path), trainer.global_step, broadcast, rank, say)
+
+    def save_and_requeue(
+        self, path: str, save: Callable[[], None], step: int, broadcast: Any, rank: int, say: Any
+    ) -> None:
+        """At the end of the agreed step, on every rank: ``save()`` the preemption checkpoint (at ``path``, the same
+        on every rank), requeue the job (rank 0) and stop (:class:`Preempted`, exit code 0). If ``scontrol requeue``
+        fails, the checkpoint stays and training goes on."""
+        self.agreed = False
+        save()
         # Say it before the requeue: `scontrol requeue` ends this job's tasks within seconds, and a line written
         # after it can be lost (seen in CI: the requeued job's log lacked it).
         job = slurm_job_id()
-        message = f"sgdtp: preempted at step {trainer.global_step}: checkpoint saved to {path}; requeueing job {job}; stopping"
+        message = f"sgdtp: preempted at step {step}: checkpoint saved to {path}; requeueing job {job}; stopping"
         if job is not None:
             say(message.removeprefix("sgdtp: "))
         _flush_output()

@@ -169,3 +169,25 @@ def _leave_failed_at_exit() -> None:
         os._exit(1)
 
     atexit.register(leave)
+
+
+def leave_process_group(meet: bool = True, timeout: float = 30.0) -> None:
+    """At the end of a run, while Python is still alive: meet the peers (bounded), then destroy the default process
+    group. Left to the interpreter, the process group and its store are freed while it finalizes, when a thread that
+    returns from a c10d call and asks for the GIL is ended by ``pthread_exit``, whose unwinding through C++ calls
+    ``std::terminate`` ("terminate called without an active exception", exit -6) after a successful run (the fault
+    guard's heartbeat, ``docs/fabric.md``; gloo's work after pipeline training, ``engine/pipelined.py``). The
+    barrier (``meet``; not after a failure) keeps a rank from closing its connections while a peer still finishes its
+    last collective; a peer that is gone or busy elsewhere costs at most ``timeout``, and any failure is ignored (the
+    run is over)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    with contextlib.suppress(Exception):
+        if meet and dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()

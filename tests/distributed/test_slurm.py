@@ -10,6 +10,7 @@ the topology line and the preemption are only in the log so far (TEST_CHANGES.md
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.launch import REPO, free_port, job_env, read_plans, run
+from helpers.launch import REPO, finish, free_port, job_env, read_plans, run, start
 
 EXAMPLE = str(REPO / "examples" / "train_gpt.py")
 SBATCH = str(REPO / "examples" / "slurm" / "train_gpt.sbatch")
+FABRIC_JOB = str(REPO / "tests" / "distributed" / "jobs" / "fabric_requeue.py")
 # A small model, and enough steps (about 10 s of training) to signal a job while it trains.
 ARGS = ["--max_steps", "150", "--n_layer", "2", "--n_embd", "64", "--block_size", "64", "--batch_size", "8"]
 ARGS += ["--limit_val_batches", "2", "--accelerator", "cpu"]
@@ -104,27 +106,41 @@ def _wait(predicate, timeout: float, what: str, log: Path) -> None:
         time.sleep(0.2)
 
 
-def test_sbatch_preempted_job_requeues_and_ends_like_an_uninterrupted_run(reference: dict, tmp_path: Path) -> None:
-    """sbatch on 2 nodes x 1 task. SIGUSR1 (what --signal=SIGUSR1@90 sends): agreed checkpoint, requeue, resume,
-    same final parameters as the uninterrupted run."""
+def _sbatch(tmp_path: Path, args: list[str], **extra: str) -> tuple[str, Path]:
+    """examples/slurm/train_gpt.sbatch on 2 nodes x 1 task, CPU (``SGDTP_EXAMPLE``: another script). Returns the job
+    id and its log."""
     log = tmp_path / "job.out"
-    env = _env(ACCELERATOR="cpu", ROOT_DIR=str(tmp_path / "run"), MASTER_PORT=str(free_port()))
+    env = _env(ACCELERATOR="cpu", ROOT_DIR=str(tmp_path / "run"), MASTER_PORT=str(free_port()), **extra)
     # --gpus-per-node=0: the script asks for 8 GPUs per node, which this CPU-only cluster refuses (its header says so)
     cmd = ["sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0"]
-    cmd += [f"--output={log}", SBATCH]
-    cmd += [*ARGS, "--save_weights", str(tmp_path / "w.pt")]
-    job = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
+    cmd += [f"--output={log}", SBATCH, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=REPO).stdout.strip(), log
+
+
+def _preempt_and_wait(job: str, log: Path) -> str:
+    """Once the job trains, send it SIGUSR1 (what --signal=SIGUSR1@90 sends), wait for it to requeue itself, start
+    it again and wait for its end. Returns the job's log."""
+
+    def training() -> bool:
+        assert _job_state(job).get("JobState") in ("PENDING", "RUNNING"), f"the job ended:\n{log.read_text()[-4000:]}"
+        return log.exists() and "bytes communicated" in log.read_text()
+
     try:
-        _wait(lambda: log.exists() and "bytes communicated" in log.read_text(), 300, "training to start", log)
+        _wait(training, 300, "training to start", log)
         subprocess.run(["scancel", "--signal=USR1", job], check=True)
         _wait(lambda: _job_state(job).get("Restarts") == "1", 120, "the job to requeue itself", log)
 
         # SLURM holds a requeued job back for about two minutes (Reason=BeginTime); a test need not wait for it.
-        # The hold is set once the old run has ended (COMPLETING, then PENDING): release it then.
+        # The hold is set once the old run has ended (COMPLETING, then PENDING): release it then, but not in the
+        # second the old run's credential was revoked: a job started then is killed ("Job credential revoked").
+        held: list[float] = []
+
         def released() -> bool:
             state = _job_state(job)
             if state.get("JobState") == "PENDING" and state.get("Reason") == "BeginTime":
-                subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)
+                held[:] = held or [time.monotonic()]
+                if time.monotonic() - held[0] > 2:
+                    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)
             return state.get("JobState") in ("RUNNING", "COMPLETED", "FAILED", "CANCELLED")
 
         _wait(released, 120, "the requeued job to start", log)
@@ -133,6 +149,14 @@ def test_sbatch_preempted_job_requeues_and_ends_like_an_uninterrupted_run(refere
         subprocess.run(["scancel", job], check=False)
     text = log.read_text()
     assert _job_state(job).get("JobState") == "COMPLETED", text[-4000:]
+    return text
+
+
+def test_sbatch_preempted_job_requeues_and_ends_like_an_uninterrupted_run(reference: dict, tmp_path: Path) -> None:
+    """sbatch on 2 nodes x 1 task. SIGUSR1 (what --signal=SIGUSR1@90 sends): agreed checkpoint, requeue, resume,
+    same final parameters as the uninterrupted run."""
+    job, log = _sbatch(tmp_path, [*ARGS, "--save_weights", str(tmp_path / "w.pt")])
+    text = _preempt_and_wait(job, log)
     # log wording: the preemption is an event, not in the plan yet (wanted: plan["preempted"])
     assert "sgdtp: preempted at step" in text and "hpc_ckpt_1.ckpt" in text, text[-4000:]
     # the batch script's own line (SLURM_RESTART_COUNT) and Lightning's restore line: not the strategy's
@@ -143,6 +167,30 @@ def test_sbatch_preempted_job_requeues_and_ends_like_an_uninterrupted_run(refere
         _assert_ranks(plan, 2, 1)
     assert "from SLURMEnvironment" in text, text[-4000:]  # log wording: not in the plan yet
     _assert_bitwise(reference, _weights(tmp_path / "w.pt"))
+
+
+def test_sbatch_preempted_fabric_loop_requeues_and_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    """A Fabric loop (jobs/fabric_requeue.py: ``fabric.strategy.requeue_if_agreed(path, state)`` at each step's end)
+    under the same sbatch script, 2 nodes x 1 task. SIGUSR1: the ranks agree on a step, its state is saved
+    atomically, the job requeues itself, every rank exits 0; the restarted job loads the file and ends bitwise where
+    the same loop launched by Fabric itself (2 processes, never signalled) ends."""
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    # Beside the SLURM job: its ranks wait (for SLURM, for the signal, for the requeue) more than they compute.
+    reference = start([sys.executable, FABRIC_JOB, "--default_root_dir", str(ref), "--save_weights", str(ref / "w.pt")])
+    try:
+        args = ["--step_seconds", "0.05", "--save_weights", str(tmp_path / "w.pt")]
+        job, log = _sbatch(tmp_path, args, SGDTP_EXAMPLE=FABRIC_JOB)
+        text = _preempt_and_wait(job, log)
+    finally:
+        out, _, timed_out = finish(reference, 300)
+    assert reference.returncode == 0 and not timed_out, out[-4000:]
+    assert "restart 1" in text, text[-4000:]  # the batch script's line (SLURM_RESTART_COUNT)
+    preempted = re.search(r"sgdtp: preempted at step (\d+): checkpoint saved to (\S+);", text)
+    assert preempted is not None and preempted[2] == str(tmp_path / "run" / "preempted.ckpt"), text[-4000:]
+    assert f"resumed from {preempted[2]} at step {preempted[1]}" in text, text[-4000:]  # the loop's own line
+    assert "trained 100 steps" in text and "terminate called" not in text, text[-4000:]
+    _assert_bitwise(_weights(ref / "w.pt"), _weights(tmp_path / "w.pt"))
 
 
 def test_devices_not_matching_ntasks_per_node_fails_before_training(tmp_path: Path) -> None:

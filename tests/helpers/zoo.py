@@ -86,6 +86,32 @@ def _t5(layers: int) -> nn.Module:
     return transformers.T5ForConditionalGeneration(config)
 
 
+def _gptj(layers: int) -> nn.Module:
+    import transformers
+
+    # parallel residual (attention and MLP both read the block's one norm; out = attn + mlp + residual), rotary on part
+    # of each head (rotary_dim of head_dim), untied LM head with a bias
+    config = transformers.GPTJConfig(
+        vocab_size=VOCAB, n_positions=4 * SEQ, n_embd=WIDTH, n_layer=layers, n_head=4, rotary_dim=4, n_inner=2 * WIDTH,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1,
+    )  # fmt: skip
+    return transformers.GPTJForCausalLM(config)
+
+
+def _mbart(layers: int) -> nn.Module:
+    import transformers
+
+    # the decoder alone (a causal LM): a LayerNorm right after the scaled token embedding (a subclass of nn.Embedding
+    # with padding row 0) and the learned positions; its cross-attention layers exist and are not called
+    config = transformers.MBartConfig(
+        vocab_size=VOCAB, d_model=WIDTH, decoder_layers=layers, encoder_layers=layers, decoder_attention_heads=4,
+        encoder_attention_heads=4, decoder_ffn_dim=2 * WIDTH, encoder_ffn_dim=2 * WIDTH, max_position_embeddings=4 * SEQ,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, scale_embedding=True, pad_token_id=0,
+        bos_token_id=1, eos_token_id=1, decoder_start_token_id=1,
+    )  # fmt: skip
+    return transformers.MBartForCausalLM(config)
+
+
 def _resnet(layers: int) -> nn.Module:
     import transformers
 
@@ -305,6 +331,36 @@ ZOO: dict[str, ZooEntry] = {
         _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", hidden_dropout=0.0, attention_dropout=0.0),
         "tokens",
         "transformers GPTNeoXForCausalLM (fused query_key_value)",
+    ),
+    # parallel attention: the attention output added in place into the MLP's (`mlp_output += attention_output`);
+    # new_decoder_architecture: grouped fused QKV (2 key/value heads), two norms per block
+    "falcon": ZooEntry(
+        _hf(
+            "FalconConfig",
+            "FalconForCausalLM",
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+            bos_token_id=1,
+            eos_token_id=1,
+        ),
+        "tokens",
+        "transformers FalconForCausalLM (new_decoder_architecture, grouped fused QKV, in-place residual)",
+    ),
+    # Falcon's defaults: multi-query attention (one key/value head), parallel_attn, one norm per block
+    "falcon_mq": ZooEntry(
+        _hf("FalconConfig", "FalconForCausalLM", bos_token_id=1, eos_token_id=1),
+        "tokens",
+        "transformers FalconForCausalLM (multi-query, parallel_attn, in-place residual)",
+    ),
+    # a LayerNorm right after the (vocabulary-parallel) token embedding, ALiBi, fused query_key_value
+    "bloom": ZooEntry(
+        _hf("BloomConfig", "BloomForCausalLM", bos_token_id=1, eos_token_id=1),
+        "tokens",
+        "transformers BloomForCausalLM (embedding LayerNorm, ALiBi)",
+    ),
+    "gptj": ZooEntry(_gptj, "tokens", "transformers GPTJForCausalLM (parallel residual, partial rotary)"),
+    "mbart": ZooEntry(
+        _mbart, "tokens", "transformers MBartForCausalLM (embedding LayerNorm, scaled embedding subclass)"
     ),
     "bert": ZooEntry(_bert, "mlm", "transformers BertForMaskedLM"),
     "t5": ZooEntry(_t5, "seq2seq", "transformers T5ForConditionalGeneration"),

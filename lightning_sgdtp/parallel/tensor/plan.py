@@ -192,6 +192,11 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
         # split by output features like the others: its output stays a DTensor, which DTensor gathers where the
         # model splits it into its parts (the weights are divided; the parts are not each split by head).
         fused = [n for n in ins if shapes[n][1] > width_in]
+        # Key/value heads that do not divide tp (multi-query: one) cannot be split by head. Separate k/v layers stay
+        # whole; a fused projection is still split (its weight divided), and DTensor gathers its output where the
+        # model splits it, so the attention between runs whole on each rank (Falcon's multi-query default).
+        kv_heads = _heads(parent, KV_HEAD_COUNT_ATTRS)
+        kv_whole = kv_heads is not None and kv_heads % tp != 0
         why = None
         if any(shapes[n][0] != width for n in ins):
             why = f"input layers {ins} do not read the width {width} that {outs[0]} writes"
@@ -199,7 +204,7 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
             why = f"feature sizes {[shapes[n][1] for n in ins]} / {width_in} not divisible by tp={tp}"
         elif (heads := _heads(parent)) is not None and heads % tp:
             why = f"{heads} heads are not divisible by tp={tp}"
-        elif (kv_heads := _heads(parent, KV_HEAD_COUNT_ATTRS)) is not None and kv_heads % tp:
+        elif kv_whole and not fused:
             why = f"{kv_heads} key/value heads are not divisible by tp={tp}"
         members = [prefix + n for n in ins + outs]
         paired.update(members)
@@ -213,6 +218,11 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
                 plan.notes[prefix + n] = (
                     f"fused: {shapes[n][1]} outputs for {outs[0]}'s {width_in} inputs; split by output features,"
                     " gathered where the model splits them"
+                )
+            if n in fused and kv_whole:
+                plan.notes[prefix + n] += (
+                    f"; {kv_heads} key/value heads, not divisible by tp={tp}: the weight is still split, the attention"
+                    " between runs whole on each rank"
                 )
         plan.styles[prefix + outs[0]] = "rowwise"
         for n, m in parent.named_children():  # a norm of another width than the stream's: over each head
@@ -241,6 +251,7 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
             plan.replicated[n] = f"vocabulary {vocab} not divisible by tp={tp}"
         else:
             plan.styles[n] = "rowwise"
+            plan.notes[n] = "vocabulary-parallel: lookup, mask and all-reduce inside the layer"
     for h in heads:
         if named[h].out_features % tp:
             plan.replicated[h] = f"{named[h].out_features} output features not divisible by tp={tp}"
@@ -441,16 +452,17 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorPlan, tp_mesh: Any) -> 
     (by vocabulary: ``Shard(0)``), so they stay one parameter with one gradient.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel as Colwise
-    from torch.distributed.tensor.parallel import RowwiseParallel as Rowwise
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     from lightning_sgdtp.parallel.tensor import dtensor_ops
     from lightning_sgdtp.parallel.tensor.styles import (
+        Colwise,
         Conv1DColwise,
         Conv1DRowwise,
         ExpertParallel,
         ReplicateOnMesh,
+        Rowwise,
+        VocabParallelEmbedding,
         is_conv1d,
     )
 
@@ -474,6 +486,8 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorPlan, tp_mesh: Any) -> 
             # sums are reduce-scattered by sequence and stay a DTensor for the residual add.
             if sequence:
                 styles[name] = row(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+            elif isinstance(named[name], nn.Embedding):  # lookup, mask and all-reduce inside the module
+                styles[name] = VocabParallelEmbedding()
             else:
                 styles[name] = row(input_layouts=Replicate())
         elif style == "sequence":
@@ -509,8 +523,10 @@ def _leave_sequence_shards(mod: nn.Module, args: tuple[Any, ...], output: Any) -
     """The last block's output is gathered back into a plain, replicated tensor."""
     from torch.distributed.tensor import DTensor, Replicate
 
+    from lightning_sgdtp.parallel.tensor.styles import fresh
+
     def gather(x: Any) -> Any:
-        return x.redistribute(x.device_mesh, [Replicate()]).to_local() if isinstance(x, DTensor) else x
+        return fresh(x.redistribute(x.device_mesh, [Replicate()]).to_local()) if isinstance(x, DTensor) else x
 
     if isinstance(output, tuple):
         return (gather(output[0]), *output[1:])

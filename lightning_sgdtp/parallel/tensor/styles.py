@@ -15,6 +15,18 @@
   sentinel and weight 0) and one all-reduce sums the experts' outputs, as a row-parallel layer's. (An all-to-all
   dispatch is what expert parallelism needs when the ranks hold *different* tokens, over the data-parallel group:
   not built; see docs/tensor-parallel.md.) Written by hand: torch has no expert-parallel style.
+- :class:`Colwise` / :class:`Rowwise` (and the ``Conv1D`` twins): torch's styles, except that a plain output
+  leaves the module as a fresh tensor. torch's ``to_local()`` returns a view made inside a custom autograd Function,
+  which autograd forbids to modify in place: ``mlp_output += attention_output`` (Falcon's parallel attention) or
+  ``x = wte(ids); x += wpe(pos)`` failed, in eager and at compile ("Output 0 of _ToTorchTensor is a view and is
+  being modified inplace"). The copy (:func:`fresh`) is one element-wise pass, which the compiler folds into the
+  next element-wise kernel (the residual add).
+- :class:`VocabParallelEmbedding`: the token embedding split by vocabulary, computed inside the module: this rank's
+  rows looked up, the other ranks' tokens zeroed, one all-reduce. torch's ``RowwiseParallel`` keeps the mask of the
+  other ranks' tokens in the output's placement (``_MaskPartial``), a Python object outside the graph, until the
+  output hook reduces it: when the compiler puts the lookup and the reduction in different graphs (a graph break
+  anywhere in the model makes it compile the embedding's ``forward`` alone: BLOOM, whose attention folds the heads
+  into the batch dimension), the mask crossed from one graph's fake tensors into the next ("Mixing fake modes").
 """
 
 from __future__ import annotations
@@ -23,9 +35,36 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+
+def fresh(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor of its own: torch's ``to_local()`` is a view made inside a custom autograd Function, which
+    autograd refuses to modify in place. A copy (one element-wise pass; fused into the next kernel when compiled)."""
+    return t.clone() if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t
+
+
+def _fresh_output(prepare: Any, *args: Any) -> Any:
+    return fresh(prepare(*args))
+
+
+class Rowwise(RowwiseParallel):
+    """torch's ``RowwiseParallel``; a plain output is a fresh tensor (:func:`fresh`), safe to modify in place."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, mesh: Any) -> Any:
+        return _fresh_output(RowwiseParallel._prepare_output_fn, output_layouts, use_local_output, mod, outputs, mesh)
+
+
+class Colwise(ColwiseParallel):
+    """torch's ``ColwiseParallel``; a plain output (gathered: an LM head) is a fresh tensor, safe to modify in place."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, mesh: Any) -> Any:
+        return _fresh_output(ColwiseParallel._prepare_output_fn, output_layouts, use_local_output, mod, outputs, mesh)
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -61,7 +100,7 @@ def _distribute_linear(style: ColwiseParallel | RowwiseParallel, module: nn.Modu
     )
 
 
-class Conv1DColwise(ColwiseParallel):
+class Conv1DColwise(Colwise):
     """``ColwiseParallel`` for a ``Conv1D``: the weight ``(in, out)`` split on dim 1, the bias on dim 0."""
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
@@ -71,7 +110,7 @@ class Conv1DColwise(ColwiseParallel):
         return _distribute_linear(self, module, device_mesh)
 
 
-class Conv1DRowwise(RowwiseParallel):
+class Conv1DRowwise(Rowwise):
     """``RowwiseParallel`` for a ``Conv1D``: the weight ``(in, out)`` split on dim 0, the bias replicated."""
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
@@ -139,7 +178,71 @@ class ExpertParallel(ParallelStyle):
             with _reparametrize_module(module, shards):
                 out = forward(module, hidden, ids, weights)
             # the experts' outputs summed over the group (one all-reduce, as a row-parallel layer's)
-            return DTensor.from_local(out, device_mesh, [Partial()], run_check=False).full_tensor()
+            return fresh(DTensor.from_local(out, device_mesh, [Partial()], run_check=False).full_tensor())
 
         module.forward = expert_parallel_forward
+        return module
+
+
+class _VocabParallelLookup(nn.Embedding):
+    """``nn.Embedding``'s lookup, split by vocabulary: this rank's rows, the other ranks' tokens zeroed, one
+    all-reduce. A split token embedding's class becomes a subclass of its own class and of this one (as FSDP2's
+    ``fully_shard`` does), so a subclass that scales the lookup (``super().forward(ids) * scale``: Gemma, MBart) keeps
+    its forward and gets this lookup through ``super()``."""
+
+    _sgdtp_vocab: tuple[int, int, int | None, Any]  # first row, rows, padding row (local), mesh
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight = self.weight  # the attribute read: under sharding='full', gathered over dp by it first
+        if not isinstance(weight, DTensor):  # traced whole for a pipeline (plain parameters): the layer as is
+            return nn.Embedding.forward(self, input)
+        first, rows, pad, mesh = self._sgdtp_vocab
+        ids = input.to_local() if isinstance(input, DTensor) else input  # token ids: the same on every rank
+        local = ids - first
+        others = (local < 0) | (local >= rows)
+        out = F.embedding(
+            local.masked_fill(others, 0), weight.to_local(), pad, self.max_norm, self.norm_type,
+            self.scale_grad_by_freq, self.sparse,
+        )  # fmt: skip
+        out = out.masked_fill(others.unsqueeze(-1), 0.0)
+        # each token's row from the rank that holds it: one all-reduce (its backward hands each rank its gradient). A
+        # replicated DTensor, like the module's other tensors (distribute_module replicates its buffers: Gemma's
+        # scale), until the output hook hands the plain tensor out
+        return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()])
+
+
+_LOOKUP_CLASSES: dict[type, type] = {nn.Embedding: _VocabParallelLookup}
+
+
+class VocabParallelEmbedding(Rowwise):
+    """An ``nn.Embedding`` (or a subclass) split by vocabulary (``Shard(0)``: each rank holds ``num_embeddings / tp``
+    rows), the lookup computed inside the module (:class:`_VocabParallelLookup`, see the module doc). Its output is a
+    plain, whole tensor of its own, as with torch's ``RowwiseParallel``, whose input and output hooks it keeps: a
+    pipeline stage's traced copy of the layer runs those (parallel/pipeline/stage_tensor.py)."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Replicate())  # token ids: the same on every rank
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, mesh: Any) -> Any:
+        if not isinstance(outputs, DTensor):  # a subclass's forward that made it plain itself
+            return fresh(outputs)
+        return Rowwise._prepare_output_fn(output_layouts, use_local_output, mod, outputs, mesh)
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        assert isinstance(module, nn.Embedding) and module.num_embeddings % device_mesh.size() == 0
+        super()._apply(module, device_mesh)  # the weight Shard(0), torch's input and output hooks
+        rows = module.num_embeddings // device_mesh.size()
+        first = device_mesh.get_local_rank() * rows
+        pad = module.padding_idx
+        module._sgdtp_vocab = (
+            first,
+            rows,
+            pad - first if pad is not None and first <= pad < first + rows else None,
+            device_mesh,
+        )
+        cls = type(module)
+        if cls not in _LOOKUP_CLASSES:
+            _LOOKUP_CLASSES[cls] = type(f"VocabParallel{cls.__name__}", (cls, _VocabParallelLookup), {})
+        module.__class__ = _LOOKUP_CLASSES[cls]
         return module

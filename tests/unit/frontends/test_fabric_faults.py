@@ -60,23 +60,3 @@ def test_an_accelerator_the_backend_does_not_run_on_is_refused_when_fabric_is_ma
 
     with pytest.raises(SGDTPConfigError, match=r"OtherAccelerator.*not supported by the sgdtp strategy.*'cpu'"):
         Fabric(accelerator=OtherAccelerator(), devices=1, strategy="sgdtp")
-
-
-def test_the_heartbeat_stops_at_exit_without_a_teardown_call() -> None:
-    """Fabric never calls teardown: at exit the strategy's job closes its fault guard (heartbeat thread stopped, the
-    rank marked as left on purpose); a job already gone is skipped."""
-    import weakref
-
-    closed = []
-
-    class Job:
-        guard = SimpleNamespace(close=lambda: closed.append(True))
-
-    job = Job()
-    fabric_strategy._stop_heartbeat_at_exit(weakref.ref(job))
-    assert closed == [True]
-    gone = Job()
-    ref = weakref.ref(gone)
-    del gone
-    fabric_strategy._stop_heartbeat_at_exit(ref)
-    assert closed == [True]

@@ -86,6 +86,33 @@ def test_grouped_query_attention_needs_divisible_key_value_heads() -> None:
     assert plan.styles["layers.0.mlp.gate_proj"] == "colwise"
 
 
+class FusedMultiQuery(nn.Module):
+    """Falcon's default attention: one fused projection of every query head plus one key and one value head."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = heads, 1
+        self.query_key_value = nn.Linear(dim, dim + 2 * dim // heads)
+        self.dense = nn.Linear(dim, dim)
+
+
+def test_a_fused_projection_whose_key_value_heads_do_not_divide_is_still_split_and_says_so() -> None:
+    # separate k/v layers stay whole (above); a fused one is split by output features, its output gathered where the
+    # model splits it: each rank holds half the weight (Falcon's default held 61% at tp=2 with it whole)
+    plan = auto_plan(nn.ModuleDict({"attn": FusedMultiQuery()}), 2)
+    assert plan.styles["attn.query_key_value"] == "colwise" and plan.styles["attn.dense"] == "rowwise"
+    note = plan.notes["attn.query_key_value"]
+    assert "fused" in note and "1 key/value heads, not divisible by tp=2: the weight is still split" in note
+    assert any("the attention between runs whole on each rank" in line for line in plan.describe())
+
+
+def test_the_token_embedding_is_vocabulary_parallel_inside_the_layer() -> None:
+    plan = auto_plan(gpt(), 2)
+    assert plan.styles["tok_emb"] == "rowwise"
+    assert "lookup, mask and all-reduce inside the layer" in plan.notes["tok_emb"]
+    assert any(line.startswith("  tok_emb: rowwise (vocabulary-parallel") for line in plan.describe())
+
+
 def test_multihead_attention_is_replicated_with_a_reason() -> None:
     plan = auto_plan(MHALanguageModel(), 2)
     assert "nn.MultiheadAttention" in plan.replicated["layers.0.self_attn"]
@@ -267,6 +294,16 @@ DIVIDED = {
              "gpt_neox.layers.0.attention.dense": "rowwise"},
     "litgpt": {"transformer.h.0.attn.qkv": "colwise", "transformer.h.0.mlp.fc_1": "colwise",
                "transformer.h.0.mlp.fc_2": "colwise", "transformer.h.0.mlp.proj": "rowwise"},
+    # issue 43: Falcon (grouped fused QKV; and its multi-query default: one key/value head), BLOOM (fused QKV, a norm
+    # after the vocabulary-parallel embedding), MBart's decoder (a norm after a scaled embedding subclass), GPT-J
+    "falcon": {"transformer.h.0.self_attention.query_key_value": "colwise",
+               "transformer.h.0.self_attention.dense": "rowwise", "transformer.h.0.mlp.dense_4h_to_h": "rowwise"},
+    "falcon_mq": {"transformer.h.0.self_attention.query_key_value": "colwise",
+                  "transformer.h.0.self_attention.dense": "rowwise"},
+    "bloom": {"transformer.h.0.self_attention.query_key_value": "colwise", "transformer.word_embeddings": "rowwise"},
+    "mbart": {"model.decoder.layers.0.self_attn.q_proj": "colwise", "model.decoder.layers.0.fc2": "rowwise",
+              "model.decoder.embed_tokens": "rowwise"},
+    "gptj": {"transformer.h.0.attn.k_proj": "colwise", "transformer.h.0.mlp.fc_out": "rowwise"},
 }  # fmt: skip
 
 
@@ -281,7 +318,7 @@ def test_tensor_parallel_divides_the_model(name: str) -> None:
     assert c["block_replicated_fraction"] < 0.05, (c, plan.replicated)
     assert not any("WARNING" in line for line in plan.describe())
     fused = [n for n in plan.styles if "fused" in plan.notes.get(n, "")]
-    assert bool(fused) == (name in ("gpt2", "phi3", "neox", "litgpt")), plan.notes
+    assert bool(fused) == (name in ("gpt2", "phi3", "neox", "litgpt", "falcon", "falcon_mq", "bloom")), plan.notes
 
 
 class TwoNamedAlike(nn.Module):
