@@ -116,8 +116,8 @@ class SGDTPConfig:
             tensor parallel, a 2-D layout) and pipeline (each stage over its replicas). See ``docs/sharding.md``.
         param_gather_dtype: with ``sharding``: ``None`` (gather parameters in their own dtype) or ``"bf16"`` (half
             the bytes of each all-gather; the computation then sees bfloat16 parameters, as with bf16-mixed).
-        shard_size: with ``sharding`` (``parallelism="data"`` or ``"hybrid"``; not with pipeline stages): over how
-            many data-parallel ranks a parameter is
+        shard_size: with ``sharding`` (``parallelism="data"`` or ``"hybrid"``, with or without pipeline stages; a
+            stage's data-parallel ranks with pipeline stages): over how many data-parallel ranks a parameter is
             split. ``None`` (default: all of them), ``"node"`` (the ranks of one node: split inside a node over its
             fast links, replicated across nodes, FSDP's hybrid shard / HSDP) or an int that divides the
             data-parallel size. The replicas' gradients are all-reduced across the groups.

@@ -194,12 +194,14 @@ class ParallelDims:
                     " tensor-parallel group), e.g. pipeline_stages=2 with 4 ranks, or use parallelism='data'."
                 )
             dp = per_stage // tp
+            # "node": the data-parallel ranks of one stage inside one node (a stage's ranks are consecutive)
+            shard = hybrid_shard_size(config, dp, min(dp, max(devices_per_node // tp, 1)))
             grid: list[Any] = [[s * dp + d for d in range(dp)] for s in range(pp)]
             if tp > 1:  # tensor parallel innermost: a group is tp consecutive ranks (one node's fast links)
                 grid = [[[s * per_stage + d * tp + t for t in range(tp)] for d in range(dp)] for s in range(pp)]
             stages = pipeline_stages(pp, config.pipeline_schedule, config.pipeline_stages_per_rank)
             return cls(
-                **base, pp=pp, **_data_parallel(config, dp, None), tp=tp, grid=grid,
+                **base, pp=pp, **_data_parallel(config, dp, shard), tp=tp, grid=grid,
                 stages=stages, micro_batches=config.pipeline_micro_batches(pp),
             )  # fmt: skip
         if config.parallelism == "data":
@@ -241,12 +243,18 @@ class ParallelDims:
 
         world, names = None, self.mesh_dims or ()
         dp_tp = None
-        if self.hybrid_shard_enabled and self.tp_enabled:  # 3-D: the grid's dp rows as replicas x shards
-            names = ("dp_replicate", "dp_shard", "tp")
-            grid = torch.tensor(self.grid, dtype=torch.int).reshape(self.dp_replicate, self.dp_shard, self.tp)
-            world = DeviceMesh(device_type, grid, mesh_dim_names=names)
+        if self.hybrid_shard_enabled and (self.tp_enabled or self.pp_enabled):  # the dp rows as replicas x shards
+            pp = ("pp",) if self.pp_enabled else ()
+            tp = ("tp",) if self.tp_enabled else ()
+            names = (*pp, "dp_replicate", "dp_shard", *tp)
+            sizes = [self.size(name) for name in names]
+            world = DeviceMesh(
+                device_type, torch.tensor(self.grid, dtype=torch.int).reshape(sizes), mesh_dim_names=names
+            )
             shard = world["dp_replicate", "dp_shard"]
             dp = shard._flatten("dp")
+            if self.pp_enabled and self.tp_enabled:
+                dp_tp = world["dp_replicate", "dp_shard", "tp"]
         elif self.mesh_dims is not None:
             world = DeviceMesh(device_type, torch.tensor(self.grid, dtype=torch.int), mesh_dim_names=self.mesh_dims)
             dp = shard = world["dp"]
@@ -254,7 +262,7 @@ class ParallelDims:
                 dp_tp = world["dp", "tp"]
         else:
             dp = shard = None
-        if self.hybrid_shard_enabled and not self.tp_enabled:  # rows: the groups a parameter is split over
+        if self.hybrid_shard_enabled and not self.tp_enabled and not self.pp_enabled:  # rows: the split groups
             grid = torch.arange(self.world_size, dtype=torch.int).reshape(self.dp_replicate, self.dp_shard)
             shard = DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "dp_shard"))
         meshes = Meshes(
@@ -335,6 +343,19 @@ class ParallelDims:
 
     def describe(self, config: SGDTPConfig) -> str:
         """The one log line of this decision."""
+        return self._describe_grid(config) + self._describe_hybrid_stages(config)
+
+    def _describe_hybrid_stages(self, config: SGDTPConfig) -> str:
+        if not (self.pp_enabled and self.hybrid_shard_enabled):
+            return ""
+        where = " (one node each)" if config.shard_size == "node" else ""
+        return (
+            f"; each stage's parameters split inside groups of {self.dp_shard} of its {self.dp} data-parallel ranks"
+            f"{where}, replicated {self.dp_replicate} times (sharding={config.sharding},"
+            f" shard_size={config.shard_size!r}: hybrid sharding)"
+        )
+
+    def _describe_grid(self, config: SGDTPConfig) -> str:
         if self.pp_enabled and self.tp_enabled:
             return (
                 f"pipeline x data x tensor: {self.dp} pipeline(s) of {self.pp} stages, each stage on a tensor-parallel"

@@ -471,14 +471,6 @@ class Sharding(Technique):
                 f"shard_size={size!r} applies to sharded parameters: set sharding='full' or 'optimizer' (or"
                 " remove shard_size)."
             )
-        # an option check: hybrid sharding of pipeline stages is not built
-        if config.pipelined:
-            return Problem(
-                f"shard_size={size!r} (hybrid sharding) with pipeline stages is not available yet. Use"
-                " parallelism='data' or 'hybrid' without pipeline_stages, or remove shard_size (every"
-                " data-parallel rank of a stage then holds one shard).",
-                later=True,
-            )
         return None
 
     def _check_gather(self, config: Any) -> Problem | None:

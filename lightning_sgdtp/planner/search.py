@@ -53,7 +53,6 @@ from lightning_sgdtp.planner.memory import (
 from lightning_sgdtp.planner.units import PlannerInputError, parse_memory, size_text, time_text
 
 CKPT_NOT_WITH_TP = "activation checkpointing with tensor parallel is not built yet (torch 2.13's AOTAutograd)"
-HSDP_NOT_WITH_PP = "hybrid sharding (shard_size) with pipeline stages is not built yet"
 #: Where the docs explain the setup peak and building the model on the meta device.
 SETUP_DOC = "docs/big-models.md"
 
@@ -350,8 +349,6 @@ def plan(
             if not _matches(layout, schedule, fixed, devices_per_node):
                 continue
             row = Candidate(layout, schedule, skipped=candidate.skipped, built=candidate.built)
-            if layout.shard_size and layout.pp > 1 and row.built:
-                row.skipped, row.built = HSDP_NOT_WITH_PP, False
             if layout.tp > 1 and schedule.checkpointing and row.built:
                 row.skipped, row.built = CKPT_NOT_WITH_TP, False
             if layout not in memory:

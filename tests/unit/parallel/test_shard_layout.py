@@ -106,7 +106,6 @@ def test_data_parallel_with_sharding_has_a_mesh_of_the_data_parallel_ranks() -> 
 
 
 def test_hybrid_sharding_splits_inside_a_node_and_replicates_across_nodes() -> None:
-    from lightning_sgdtp.config import NotAvailableYetError
     from lightning_sgdtp.mesh.dims import ParallelLayout
 
     node = SGDTPConfig(sharding="full", shard_size="node")
@@ -123,8 +122,18 @@ def test_hybrid_sharding_splits_inside_a_node_and_replicates_across_nodes() -> N
         SGDTPConfig(shard_size="node")
     with pytest.raises(SGDTPConfigError, match="positive int"):
         SGDTPConfig(sharding="full", shard_size=0)
-    with pytest.raises(NotAvailableYetError, match="with pipeline stages is not available yet"):
-        SGDTPConfig(sharding="full", shard_size=2, pipeline_stages=2)
+    # with pipeline stages: over each stage's data-parallel ranks; "node" = a stage's ranks inside one node
+    staged = SGDTPConfig(sharding="full", shard_size=2, pipeline_stages=2)
+    layout = ParallelLayout.resolve(staged, world_size=8, devices_per_node=8)
+    assert (layout.pp, layout.dp, layout.dp_replicate, layout.dp_shard) == (2, 4, 2, 2)
+    line = layout.describe(staged)
+    assert "groups of 2 of its 4 data-parallel ranks" in line and "replicated 2 times" in line, line
+    across = SGDTPConfig(sharding="full", shard_size="node", pipeline_stages=2)
+    layout = ParallelLayout.resolve(across, world_size=16, devices_per_node=4, num_nodes=4)
+    assert (layout.dp, layout.dp_replicate, layout.dp_shard) == (8, 2, 4)  # a stage spans 2 nodes of 4
+    assert ParallelLayout.resolve(across, world_size=8, devices_per_node=4, num_nodes=2).shard is None  # one node each
+    with pytest.raises(SGDTPConfigError, match=r"shard_size=3 \(3 ranks\) does not divide the 4"):
+        ParallelLayout.resolve(SGDTPConfig(sharding="full", shard_size=3, pipeline_stages=2), 8, 8)
     # with tensor parallel (issue 26): 3-D, groups of 2 rows of tp=2, "node" = the rows of one node
     hsdp_tp = SGDTPConfig(sharding="full", shard_size="node", parallelism="hybrid", tensor_parallel_size=2)
     layout = ParallelLayout.resolve(hsdp_tp, world_size=16, devices_per_node=8, num_nodes=2)

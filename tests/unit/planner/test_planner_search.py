@@ -15,7 +15,6 @@ from lightning_sgdtp.planner.cost import HARDWARE, profile
 from lightning_sgdtp.planner.memory import Layout
 from lightning_sgdtp.planner.search import (
     CKPT_NOT_WITH_TP,
-    HSDP_NOT_WITH_PP,
     SETUP_DOC,
     Plan,
     PlannerInputError,
@@ -98,9 +97,9 @@ def test_what_is_not_built_is_predicted_and_never_chosen() -> None:
     assert three_d and all(c.built != c.schedule.checkpointing for c in three_d)  # pp x dp x tp: built
     ckpt_tp = [c for c in result.candidates if c.layout.tp > 1 and c.schedule.checkpointing]
     assert ckpt_tp and all(not c.built and c.time and c.memory for c in ckpt_tp)
-    assert {c.skipped for c in ckpt_tp} == {CKPT_NOT_WITH_TP, HSDP_NOT_WITH_PP}
+    assert {c.skipped for c in ckpt_tp} == {CKPT_NOT_WITH_TP}
     hsdp_pp = [c for c in result.candidates if c.layout.shard_size and c.layout.pp > 1 and c.layout.tp == 1]
-    assert hsdp_pp and all(c.skipped == HSDP_NOT_WITH_PP and not c.choosable for c in hsdp_pp)
+    assert hsdp_pp and all(c.built and not c.skipped for c in hsdp_pp)  # pp x dp_replicate x dp_shard: built
     hsdp_tp = [
         c
         for c in result.candidates
