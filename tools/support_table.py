@@ -294,7 +294,7 @@ def _raised(trigger: Callable[[], object]) -> Refused | None:
     """The strategy's own refusal (its error classes) raised by ``trigger``; None when it raises nothing. Any other
     error propagates: a crash is no refusal."""
     from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfigError
-    from lightning_sgdtp.parallel.pipeline.runner import PipelineContractError
+    from lightning_sgdtp.parallel.pipeline.contract import PipelineContractError
     from lightning_sgdtp.parallel.tensor.plan import TensorPlanError
 
     try:
@@ -360,7 +360,7 @@ def _manual_module() -> Any:
 def _pipeline_contract(mode: Mode) -> Refused | None:
     """The LightningModule contract the pipelined engine checks at setup, on a manual-optimization module."""
     from lightning_sgdtp.engine.pipelined import PipelinedStep
-    from lightning_sgdtp.parallel.pipeline.runner import check_pipeline_contract
+    from lightning_sgdtp.parallel.pipeline.contract import check_pipeline_contract
 
     if _engine(mode) is not PipelinedStep:
         return None

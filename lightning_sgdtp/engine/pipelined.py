@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -32,8 +31,9 @@ from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfigError
 from lightning_sgdtp.engine.base import EngineInputs, StepEngine, broadcast_buffers
 from lightning_sgdtp.engine.parallelize import parallelize, plan_part, sync_line, tracing
 from lightning_sgdtp.parallel.clipping import clip_pipeline_grad_norm_
+from lightning_sgdtp.parallel.pipeline.contract import check_pipeline_contract, replay_logs
 from lightning_sgdtp.parallel.pipeline.memory import ReleasedStages
-from lightning_sgdtp.parallel.pipeline.runner import PipelineRunner, check_pipeline_contract, replay_logs
+from lightning_sgdtp.parallel.pipeline.runner import PipelineRunner
 from lightning_sgdtp.parallel.pipeline.split import (
     PipelineSplit,
     PipelineSplitError,
@@ -41,6 +41,8 @@ from lightning_sgdtp.parallel.pipeline.split import (
     stage_parameters,
 )
 from lightning_sgdtp.parallel.pipeline.stage_tensor import match_gradient_layouts
+from lightning_sgdtp.parallel.pipeline.unused import unused_line
+from lightning_sgdtp.runtime import shutdown
 from lightning_sgdtp.sync.grad_sync import GradSync
 
 
@@ -53,6 +55,7 @@ class PipelinedStep(StepEngine):
         self.split: PipelineSplit | None = None
         self._zero_grad: Callable[..., Any] | None = None
         self._said_weighted = False
+        self._said_unused = False
         self.tensor_hooked: list[str] = []
 
     # ------------------------------------------------------------------------------------------- setup
@@ -201,6 +204,9 @@ class PipelinedStep(StepEngine):
                 f" between (e.g. {self.runner.carried[0]}): stage 0 gets the micro-batch, and the interleaved"
                 " schedule sends between adjacent stages only"
             )
+        if self.runner.retraced[seen:] and self.runner.unused and not self._said_unused:
+            self._said_unused = True
+            self.report.say(unused_line(self.module, self.runner.unused))
         if self.runner.weighted and not self._said_weighted:
             self._said_weighted = True
             self.report.say(
@@ -323,24 +329,11 @@ _EXIT_HOOK: list[bool] = []
 
 
 def _leave_cleanly_at_exit() -> None:
-    """Once per process: at exit, meet the peers, then destroy the process group while Python is still alive.
-
-    After pipeline training, gloo's worker threads can still hold finished asynchronous work (point-to-point
-    sends and receives) when the interpreter shuts down; freeing it then aborts the process (SIGABRT,
-    "terminate called without an active exception") after a successful run, about one run in ten here. Torch does
-    not do this itself (pytorch/pytorch#179291, abandoned). The barrier is bounded: a peer that is gone or busy
-    elsewhere costs at most 30 s, and any failure is ignored (the run is over)."""
-    if _EXIT_HOOK:
-        return
-    _EXIT_HOOK.append(True)
-
-    def leave() -> None:
-        if not dist.is_initialized():
-            return
-        with contextlib.suppress(Exception):
-            if dist.get_backend() == "gloo":
-                dist.monitored_barrier(timeout=timedelta(seconds=30))
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-
-    atexit.register(leave)
+    """Once per process: at exit, meet the peers, then destroy the process group while Python is still alive
+    (:func:`~lightning_sgdtp.runtime.shutdown.leave_process_group`). After pipeline training, gloo's worker threads
+    can still hold finished asynchronous work (point-to-point sends and receives) when the interpreter shuts down;
+    freeing it then aborts the process (SIGABRT, "terminate called without an active exception") after a successful
+    run, about one run in ten here. Torch does not do this itself (pytorch/pytorch#179291, abandoned)."""
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(True)
+        atexit.register(shutdown.leave_process_group)

@@ -53,11 +53,7 @@ def test_explicit_keywords_win_over_options() -> None:
             ["multiple of", "5"],
         ),
         ({"pipeline_stages": 2, "parallelism": "hybrid"}, SGDTPConfigError, ["tensor_parallel_size", "'tensor'"]),
-        (
-            {"pipeline_stages": 2, "sharding": "full", "shard_size": 2},
-            NotAvailableYetError,
-            ["shard_size=2", "pipeline stages"],
-        ),
+        ({"pipeline_stages": 2, "shard_size": 2}, SGDTPConfigError, ["shard_size=2", "sharding='full'"]),
         ({"pipeline_stages": 2, "compile_cache": "/tmp/c"}, NotAvailableYetError, ["compile_cache", "not available"]),
         ({"pipeline_stages": 2, "pipeline_split": ["a", "b"]}, SGDTPConfigError, ["2 names for 2 stages"]),
         ({"pipeline_stages": 2, "pipeline_split": "model.blocks.1"}, SGDTPConfigError, ["list of module names"]),

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,88 +38,23 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_sgdtp.parallel.pipeline.boundaries import make_boundaries_contiguous, send_contiguous
 from lightning_sgdtp.parallel.pipeline.carry import carry_stage_inputs
+from lightning_sgdtp.parallel.pipeline.contract import (
+    Captured,
+    LogRecorder,
+    PipelineContractError,
+    batch_size_of,
+    capture_forward_inputs,
+    replaced,
+)
 from lightning_sgdtp.parallel.pipeline.memory import ReleasedStages
 from lightning_sgdtp.parallel.pipeline.names import rename_self_nodes
 from lightning_sgdtp.parallel.pipeline.schedules import SCHEDULES, check_chunks, micro_batch_count, micro_batch_weights
 from lightning_sgdtp.parallel.pipeline.split import PipelineSplit
+from lightning_sgdtp.parallel.pipeline.unused import unused_parameters
 from lightning_sgdtp.parallel.sharding import stored_parameter
 from lightning_sgdtp.parallel.tensor.plan import local_shard
 from lightning_sgdtp.runtime.faults import is_distributed_error
 from lightning_sgdtp.sync.comm import all_reduce_flat
-
-
-class PipelineContractError(RuntimeError):
-    """The LightningModule does not meet the pipeline contract. The message names the missing piece."""
-
-
-# ------------------------------------------------------------------------------------------ contract
-class _Captured(Exception):
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        super().__init__()
-        self.args_, self.kwargs_ = args, kwargs
-
-
-@contextlib.contextmanager
-def _replaced(module: nn.Module, attribute: str, value: Any) -> Generator[None, None, None]:
-    """Set an instance attribute (``forward``, ``log``) for the duration; restore what was there."""
-    missing = object()
-    before = module.__dict__.get(attribute, missing)
-    setattr(module, attribute, value)
-    try:
-        yield
-    finally:
-        if before is missing:
-            delattr(module, attribute)
-        else:
-            setattr(module, attribute, before)
-
-
-def capture_forward_inputs(module: nn.Module, hook: str, batch: Any, batch_idx: int) -> tuple[tuple, dict]:
-    """The arguments ``module.<hook>(batch, batch_idx)`` passes to ``self(...)``; stops it right there."""
-
-    def grab(*args: Any, **kwargs: Any) -> Any:
-        raise _Captured(args, kwargs)
-
-    with _replaced(module, "forward", grab), _replaced(module, "log", lambda *a, **k: None):
-        try:
-            getattr(module, hook)(batch, batch_idx)
-        except _Captured as call:
-            return call.args_, call.kwargs_
-    raise PipelineContractError(
-        f"{type(module).__name__}.{hook} never called self(...): with pipeline parallelism the model runs through"
-        f" the pipeline when {hook} calls self(inputs), once per step; compute the loss from what it returns."
-    )
-
-
-def check_pipeline_contract(module: nn.Module) -> None:
-    """What can be checked before the first batch: the LightningModule defines the steps the pipeline runs."""
-    from lightning_sgdtp.engine.step_compile import overrides
-
-    if not overrides(module, "training_step"):
-        raise PipelineContractError(
-            f"{type(module).__name__} defines no training_step: with pipeline parallelism training_step(batch,"
-            " batch_idx) must call self(inputs) once and return the loss computed from its output."
-        )
-    if not module.automatic_optimization:
-        raise PipelineContractError(
-            f"{type(module).__name__} uses manual optimization (automatic_optimization=False): with pipeline"
-            " parallelism the schedule runs forward and backward of every micro-batch itself, so training_step cannot"
-            " call manual_backward. Use automatic optimization, or train without pipeline_stages."
-        )
-    if not overrides(module, "forward"):
-        raise PipelineContractError(
-            f"{type(module).__name__} defines no forward: the pipeline traces forward(inputs) and cuts it into stages;"
-            " define forward to run the model (e.g. return self.model(x))."
-        )
-    batch_norms = [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if batch_norms:
-        raise PipelineContractError(
-            f"{type(module).__name__} has BatchNorm layers ({', '.join(batch_norms[:3])}"
-            f"{', ...' if len(batch_norms) > 3 else ''}): in a pipeline each micro-batch would be normalised by its own"
-            " statistics (a different model from training without the pipeline), and the traced stages do not carry"
-            " the running statistics' updates back. Train it with parallelism='data' or 'tensor', or replace"
-            " BatchNorm with GroupNorm / LayerNorm."
-        )
 
 
 def measure_block_costs(module: nn.Module, blocks: Sequence[str], args: tuple, kwargs: dict) -> list[float]:
@@ -145,16 +80,6 @@ def measure_block_costs(module: nn.Module, blocks: Sequence[str], args: tuple, k
     return [max(min(times[b][1:]), 1e-9) for b in blocks]
 
 
-def batch_size_of(args: tuple, kwargs: dict, hook: str) -> int:
-    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.dim() > 0]
-    if not tensors:
-        raise PipelineContractError(
-            f"{hook} called self(...) without a tensor argument: the pipeline splits the tensors given to self(...)"
-            " into micro-batches along their first dimension. Call self(inputs) with the batch's input tensor."
-        )
-    return tensors[0].shape[0]
-
-
 def split_batch(batch: Any, size: int, chunks: int) -> list[Any]:
     """``batch`` (any nesting of tuples, lists, dicts) cut into ``chunks`` micro-batches along dim 0 of every
     tensor whose first dimension is ``size``; other leaves are repeated. As the schedules split ``self(...)``'s
@@ -165,57 +90,6 @@ def split_batch(batch: Any, size: int, chunks: int) -> list[Any]:
         for x in leaves
     ]
     return [tree_unflatten([p[i] if p is not None else x for x, p in zip(leaves, parts)], spec) for i in range(chunks)]
-
-
-@dataclass
-class _LogCall:
-    args: tuple
-    kwargs: dict
-    values: list[Any] = field(default_factory=list)
-
-
-class LogRecorder:
-    """Records ``self.log`` calls made per micro-batch; :meth:`summary` averages them into plain data."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.calls: dict[str, _LogCall] = {}
-        #: The weight of the micro-batch now running (its loss's weight in the step): values are averaged with it.
-        self.weight = 1.0
-
-    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        call = self.calls.setdefault(name, _LogCall(args, kwargs))
-        call.values.append((value, self.weight))
-
-    def summary(self) -> list[tuple[str, str, Any, tuple, dict]]:
-        """``(name, kind, value, args, kwargs)``: kind ``"metric"`` (value: the metric's module path) or
-        ``"value"`` (value: the mean over micro-batches, a float)."""
-        from torchmetrics import Metric
-
-        paths = {id(m): n for n, m in self.module.named_modules()}
-        out = []
-        for name, call in self.calls.items():
-            last = call.values[-1][0]
-            if isinstance(last, Metric):
-                if id(last) not in paths:
-                    raise PipelineContractError(
-                        f"self.log({name!r}, metric): with pipeline parallelism a logged torchmetrics Metric must be"
-                        " an attribute of the LightningModule (so every rank logs the same metric)."
-                    )
-                out.append((name, "metric", paths[id(last)], call.args, call.kwargs))
-                continue
-            numbers = [
-                (float(v.detach().float().mean()) if isinstance(v, Tensor) else float(v)) * w for v, w in call.values
-            ]
-            out.append((name, "value", math.fsum(numbers) / len(numbers), call.args, call.kwargs))
-        return out
-
-
-def replay_logs(module: nn.Module, summary: Sequence[tuple[str, str, Any, tuple, dict]], device: torch.device) -> None:
-    """Log on this rank what the last stage recorded (the same names, options and values on every rank)."""
-    for name, kind, value, args, kwargs in summary:
-        logged = module.get_submodule(value) if kind == "metric" else torch.tensor(value, device=device)
-        module.log(name, logged, *args, **kwargs)
 
 
 # -------------------------------------------------------------------------------------------- stages
@@ -328,6 +202,8 @@ class PipelineRunner:
         self.weighted = False
         self._recorder: LogRecorder | None = None
         self.local_parameters: list[nn.Parameter] = []
+        #: Parameters no traced stage uses (every name of each), with the stage that holds them (the split's rule).
+        self.unused: dict[str, int] = {}
         self.tied: list[nn.Parameter] = []
         self.holders: dict[int, int] = {}
         self.retraced: list[str] = []
@@ -376,7 +252,13 @@ class PipelineRunner:
             )
         if not self.names_per_stage:
             modules = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
-            self._find_shared([{n for n, _ in m.named_parameters()} for m in modules])
+            traced = [{n for n, _ in m.named_parameters()} for m in modules]
+            # parameters no traced stage calls stay on the stage of their module (the split's rule), not on none
+            used = {id(stored_parameter(self.module, n)) for names in traced for n in names}
+            self.unused = unused_parameters(self.module, self.split, used)
+            for name, stage in self.unused.items():
+                traced[stage].add(name)
+            self._find_shared(traced)
             # with every other name of the module's own tensor of that name (BERT's decoder.bias is predictions.bias;
             # a stage traced from whole copies of sharded parameters holds other tensors until it is relinked)
             stored = self.module.state_dict(keep_vars=True)
@@ -384,6 +266,8 @@ class PipelineRunner:
             for name, tensor in stored.items():
                 aliases.setdefault(id(tensor), set()).add(name)
             named = [[*m.named_parameters(), *m.named_buffers()] for m in modules]
+            for name, stage in self.unused.items():
+                named[stage].append((name, stored_parameter(self.module, name)))
             self.names_per_stage = [set().union(*(aliases.get(id(stored.get(n, t)), {n}) for n, t in s)) for s in named]
         stages = []
         for index in self.stage_ids:
@@ -395,7 +279,9 @@ class PipelineRunner:
             stages.append(stage)
         del pipe
         if not self.local_parameters:
-            self.local_parameters = list({id(p): p for s in stages for p in s.submod.parameters()}.values())
+            unused = [stored_parameter(self.module, n) for n, s in self.unused.items() if s in self.stage_ids]
+            held = [*(p for s in stages for p in s.submod.parameters()), *unused]
+            self.local_parameters = list({id(p): p for p in held}.values())
         schedule = self._schedule(stages, chunks)
         built = _Built(stages, schedule, chunks)
         self._built[key] = built
@@ -494,8 +380,8 @@ class PipelineRunner:
         i = int(index.reshape(-1)[0])
         assert self._recorder is not None
         with (
-            _replaced(self.module, "forward", lambda *a, **k: output),
-            _replaced(self.module, "log", self._recorder.log),
+            replaced(self.module, "forward", lambda *a, **k: output),
+            replaced(self.module, "log", self._recorder.log),
         ):
             weight = self._weights[i] if self._weights is not None else 1.0
             self._recorder.weight = weight
@@ -544,7 +430,7 @@ class PipelineRunner:
             else:
                 with torch.no_grad():
                     step(*step_args, target=target, losses=losses, **step_kwargs)
-        except (PipelineContractError, _Captured):
+        except (PipelineContractError, Captured):
             raise
         except Exception as exc:
             if built.ran or is_distributed_error(exc):

@@ -38,6 +38,11 @@ With ``split_points`` the user names the blocks where each new stage starts.
 **Tied parameters** that land on two stages (``tok_emb.weight`` on stage 0, ``lm_head.weight`` on the last) are
 reported in ``tied``, not refused: the pipeline must keep the two copies equal by summing their gradients across
 the two stages.
+
+**Parameters no stage calls** (MBartForCausalLM's decoder layers keep a cross-attention that only an encoder would
+feed) are in no traced stage; they belong to the stage this rule gives their module
+(:func:`~lightning_sgdtp.parallel.pipeline.unused.unused_parameters`),
+which keeps them: they exist on one rank, are saved in its checkpoint part and, with no gradient, stay unchanged.
 """
 
 from __future__ import annotations
@@ -118,7 +123,7 @@ class PipelineSplit:
             )
         raise PipelineSplitError(
             f"{module_name!r} is not a module of the split model. Name a block of {self.stack or 'the model'}"
-            f" ({_blocks_text(self._blocks())}) or one of: {', '.join(self.before + self.after) or 'none'}"
+            f" ({blocks_text(self._blocks())}) or one of: {', '.join(self.before + self.after) or 'none'}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -214,7 +219,7 @@ def _range_text(blocks: list[str]) -> str:
     return ", ".join(run[0] if len(run) == 1 else f"{run[0]}..{_leaf(run[-1])}" for run in runs)
 
 
-def _blocks_text(blocks: list[str], limit: int = 12) -> str:
+def blocks_text(blocks: list[str], limit: int = 12) -> str:
     shown = ", ".join(blocks[:limit])
     return shown + (f" (+{len(blocks) - limit} more)" if len(blocks) > limit else "")
 
@@ -275,7 +280,7 @@ def _no_stack_message(module: nn.Module) -> str:
         "pipeline parallelism needs a stack of repeated blocks (an nn.ModuleList or nn.Sequential of at least two"
         f" modules of the same type) in {type(module).__name__}; none was found. Put your layers in an"
         " nn.ModuleList, or give split points with pipeline_split=[...]: the names of the modules where each stage"
-        f" after the first starts, all children of one module (here: {_blocks_text([n for n, _ in _children(module)])})"
+        f" after the first starts, all children of one module (here: {blocks_text([n for n, _ in _children(module)])})"
     )
 
 
@@ -298,7 +303,7 @@ def _check_block_costs(block_costs: Any, blocks: list[str], stack: str) -> list[
     if len(costs) != len(blocks):
         raise PipelineSplitError(
             f"block_costs has {len(costs)} entries but {stack or 'the model'} has {len(blocks)} blocks"
-            f" ({_blocks_text(blocks)}): give one measured cost per block, in order"
+            f" ({blocks_text(blocks)}): give one measured cost per block, in order"
         )
     bad = [(b, c) for b, c in zip(blocks, costs) if not (math.isfinite(c) and c > 0)]
     if bad:
@@ -309,7 +314,7 @@ def _check_block_costs(block_costs: Any, blocks: list[str], stack: str) -> list[
 
 def _split_point_stages(split_points: Any, blocks: list[str], stages: int, where: str) -> list[int]:
     """Indices (into ``blocks``) where stages 1..stages-1 start."""
-    valid = f"the blocks of {where} are: {_blocks_text(blocks, 24)}"
+    valid = f"the blocks of {where} are: {blocks_text(blocks, 24)}"
     if isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points):
         raise PipelineSplitError(
             f"pipeline_split must be a list of module names, got {split_points!r}. Name the block where each stage"
@@ -347,7 +352,7 @@ def _stackless_parent(module: nn.Module, split_points: Any) -> str:
         raise PipelineSplitError(
             f"pipeline_split {list(split_points)}: without a stack of repeated blocks in {type(module).__name__} the"
             " split points must be modules that are children of one module (stages are runs of its children);"
-            f" the top-level modules are: {_blocks_text([n for n, _ in _children(module)])}"
+            f" the top-level modules are: {blocks_text([n for n, _ in _children(module)])}"
         )
     return parents.pop()
 

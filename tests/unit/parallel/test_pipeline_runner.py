@@ -8,15 +8,13 @@ from gpt import GPTLightningModule
 
 from lightning_sgdtp.config import SGDTPConfig, SGDTPConfigError
 from lightning_sgdtp.mesh.dims import ParallelLayout
-from lightning_sgdtp.parallel.pipeline.runner import (
+from lightning_sgdtp.parallel.pipeline.contract import (
     LogRecorder,
     PipelineContractError,
     batch_size_of,
     capture_forward_inputs,
-    check_chunks,
-    micro_batch_count,
-    split_batch,
 )
+from lightning_sgdtp.parallel.pipeline.runner import check_chunks, micro_batch_count, split_batch
 
 
 def small() -> GPTLightningModule:
