@@ -180,6 +180,11 @@ class PipelineSplit:
         named = [next((c for c in self.cut_blocks if _inside(b, c)), b) for b in self._blocks()]
         return list(dict.fromkeys(named))
 
+    def in_blocks(self, name: str) -> bool:
+        """Whether ``name`` (a module or parameter) lies inside a block of the stack: where it runs is known from
+        the split alone; what lies outside (embeddings, norms, head) runs where the traced forward uses it."""
+        return any(_inside(name, b) for b in self._blocks())
+
     def _units(self) -> list[str]:
         return self.before + self._blocks() + list(self.between) + self.after
 
