@@ -92,7 +92,9 @@ def measure(group: dist.ProcessGroup | None, device: torch.device, reps: int = 5
         dist.barrier(group=group)
         seconds.append(_timed(lambda buf=buf: dist.all_reduce(buf, group=group), device, reps))
     latency, per_byte = fit_link(PROBE_BYTES, seconds)
-    a = torch.randn(512, 512, device=device)
+    # its own generator: the user's random stream (dropout, the data's shuffles) must not depend on whether this job
+    # measured or read the figures of an earlier one (a cold or a warm cache)
+    a = torch.randn(512, 512, device=device, generator=torch.Generator(device=device).manual_seed(0))
     flops = 2 * 512**3 / _timed(lambda: a @ a, device, reps)
     big = torch.empty(4 * 2**20, device=device)
     copy = _timed(lambda: big.mul_(1.0), device, reps)

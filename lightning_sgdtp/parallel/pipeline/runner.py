@@ -70,8 +70,12 @@ def measure_block_costs(module: nn.Module, blocks: Sequence[str], args: tuple, k
         handles.append(
             block.register_forward_hook(lambda *_, n=name: times[n].append(time.perf_counter() - started[n]))
         )
+    first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)), None)
+    device = first.device if first is not None else torch.device("cpu")
+    # the user's random stream (dropout) left as if nothing had run: a measured split must not change training
+    fork = torch.random.fork_rng(devices=[device.index or 0] if device.type != "cpu" else [], device_type=device.type)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), fork:
             for _ in range(4):
                 module(*args, **kwargs)
     finally:
