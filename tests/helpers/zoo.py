@@ -390,7 +390,7 @@ class ZooModule(L.LightningModule):
             return self.model(pixel_values=x).logits
         if self.kind == "seq2seq":
             return self.model(input_ids=x, decoder_input_ids=extra[0]).logits
-        if isinstance(self.model, TokenStack):
+        if isinstance(self.model, (TokenStack, LitGPTShape)):  # logits from the token ids, as LitGPT's GPT(idx)
             return self.model(x)
         return self.model(input_ids=x).logits
 
