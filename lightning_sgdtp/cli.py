@@ -283,12 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
     plan.set_defaults(run=_plan)
 
-    sign = _folder_command(commands, "sign", _sign)
+    target = "a one-file checkpoint, a folder of them, or any other folder"
+    sign = _folder_command(commands, "sign", _sign, dir_help=target)
     sign.add_argument("--gpg-key", default=None, help="sign with gpg: key id, fingerprint or email")
     sign.add_argument("--gnupg-home", default=None, help="gpg's home directory (default: gpg's own)")
     sign.add_argument("--pem-key", type=Path, default=None, help="sign with a PEM private key (Ed25519, RSA, EC)")
 
-    verify = _folder_command(commands, "verify", _verify)
+    verify = _folder_command(commands, "verify", _verify, dir_help=target)
     verify.add_argument("--keyring", type=Path, default=None, help="trusted keys: a gpg keyring (checked with gpgv)")
     verify.add_argument("--pem-public-key", type=Path, default=None, help="trusted key: a PEM public key")
 
@@ -332,12 +333,13 @@ def _folder_command(
     return command
 
 
-def _verified(folder: Path, trusted: Path | None) -> bool:
-    """``verify_dir``; on failure the reason goes to stderr."""
-    from lightning_sgdtp.trust import ArtifactVerificationError, verify_dir
+def _verified(path: Path, trusted: Path | None) -> bool:
+    """``verify_path``; on failure the reason goes to stderr."""
+    from lightning_sgdtp.trust import ArtifactVerificationError
+    from lightning_sgdtp.trust.sealed import verify_path
 
     try:
-        verify_dir(folder, trusted=trusted)
+        verify_path(path, trusted=trusted)
     except ArtifactVerificationError as err:
         print(err, file=sys.stderr)
         return False
@@ -401,24 +403,32 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _sign(args: argparse.Namespace) -> int:
-    """write DIR/SGDTP-MANIFEST.json (path, size, SHA256 of every file) and, with a key, its signature"""
-    from lightning_sgdtp.trust import sign_dir
+    """seal a one-file checkpoint, or each of a folder of them, with the SHA256 of its bytes (kept inside the file);
+    any other folder gets DIR/SGDTP-MANIFEST.json (path, size, SHA256 of every file); with a key, signed"""
+    from lightning_sgdtp.trust import MANIFEST
+    from lightning_sgdtp.trust.sealed import sign_path
 
-    manifest = sign_dir(args.dir, gpg_key=args.gpg_key, gnupg_home=args.gnupg_home, pem_key=args.pem_key)
+    try:
+        written = sign_path(args.dir, gpg_key=args.gpg_key, gnupg_home=args.gnupg_home, pem_key=args.pem_key)
+    except ValueError as err:
+        print(f"sgdtp sign: {err}", file=sys.stderr)
+        return 2
     signed = " and signed" if args.gpg_key or args.pem_key else " (unsigned: no --gpg-key or --pem-key)"
-    print(f"wrote {manifest}{signed}")
+    what = "wrote" if written[0].name == MANIFEST else "sealed"
+    print(f"{what} {', '.join(map(str, written))}{signed}")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    """check DIR against its manifest (sizes, SHA256, no extra files) and the manifest's signature"""
+    """check a one-file checkpoint (or each of a folder of them) against its seal, any other folder against its
+    manifest (sizes, SHA256, no extra files); and the signature"""
     if args.keyring and args.pem_public_key:
         print("sgdtp verify: give --keyring or --pem-public-key, not both", file=sys.stderr)
         return 2
     if not _verified(args.dir, args.keyring or args.pem_public_key):
         return 1
     how = "signature and " if args.keyring or args.pem_public_key else "(no signature checked) "
-    print(f"{args.dir}: {how}every file verified")
+    print(f"{args.dir}: {how}every {'file' if args.dir.is_dir() else 'record'} verified")
     return 0
 
 

@@ -24,7 +24,24 @@ PARALLELISMS = ("data", "tensor", "hybrid", "auto")
 #: ``debug_skip_sync`` values: the negative controls.
 DEBUG_SKIPS = (None, "dp-sync", "reduce-scatter")
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+#: The ``precision=`` values the strategy runs: Lightning's plugins in ``PRECISION_PLUGINS``.
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+#: Lightning's precision plugins the strategy runs (``lightning.pytorch`` and ``lightning.fabric`` alike), and any
+#: subclass of them: its own hooks (``convert_module``, ``forward_context``, ``backward``, ...) are the ones called.
+PRECISION_PLUGINS = ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision")
+#: Lightning's precision plugins it cannot run (and their subclasses), with why.
+REFUSED_PRECISION_PLUGINS = {
+    "BitsandbytesPrecision": "it swaps nn.Linear layers for bitsandbytes' quantized ones, whose weights keep their"
+    " quantization state outside the tensor (Params4bit.quant_state): the strategy's broadcast from rank 0, sharding"
+    " and tensor-parallel split move the tensors alone",
+    "TransformerEnginePrecision": "Transformer Engine's layers and its fp8_autocast (which updates the FP8 scaling"
+    " state and reduces it across ranks itself) are not traceable by torch.compile, and the strategy compiles the"
+    " training step",
+    "DeepSpeedPrecision": "it hands backward and the optimizer step to a DeepSpeed engine (strategy='deepspeed')",
+    "FSDPPrecision": "it leaves mixed precision to FSDP's wrapper (strategy='fsdp'), which the sgdtp strategy does"
+    " not use (it shards with its own sharding= option)",
+    "XLAPrecision": "it is for XLA devices (TPUs); the strategy runs on CPU and CUDA",
+}
 
 
 class SGDTPConfigError(ValueError):
@@ -124,6 +141,9 @@ class SGDTPConfig:
         profile_steps: ``(first, last)``: record optimizer steps ``first`` .. ``last`` (inclusive) with
             torch.profiler on every rank and write a timeline (a trace per rank for Perfetto / Chrome, and one HTML
             page of a step) into ``sgdtp_timeline/`` next to the logs. See ``docs/speed.md``.
+        plan_file: where rank 0 writes the plan (``strategy.plan`` as JSON). ``"auto"`` (default): ``sgdtp_plan.json``
+            in the logger's folder (``trainer.log_dir``), none without a logger (``logger=False``; Fabric); a file
+            path (or an existing folder, the file inside it): there, with or without a logger; False: none.
         max_memory_per_rank: with ``parallelism="auto"``: the memory a rank may use, with a unit (``"300MB"``,
             ``"80GB"``, ``"1.5GiB"``); default: the device's memory on GPUs, none on CPU. Only layouts predicted to
             fit (parameters, gradients, optimizer state, the gathered block, activations) are chosen; if none fits,
@@ -173,6 +193,7 @@ class SGDTPConfig:
     sequence_parallel: bool | None = None
     optimizer_update: str = "auto"
     profile_steps: tuple[int, int] | None = None
+    plan_file: str | bool = "auto"
     sharding: str = "none"
     param_gather_dtype: str | None = None
     shard_size: int | str | None = None
@@ -239,6 +260,8 @@ class SGDTPConfig:
             )
         if self.compile_cache not in (None, False) and not isinstance(self.compile_cache, (str, Path)):
             raise SGDTPConfigError(f"compile_cache={self.compile_cache!r}: use 'auto', a folder path or False (off).")
+        if self.plan_file is True or self.plan_file == "" or not isinstance(self.plan_file, (str, Path, bool)):
+            raise SGDTPConfigError(f"plan_file={self.plan_file!r}: use 'auto', a file path or False (no file).")
         bound = self.compile_cache_max_gb
         if isinstance(bound, bool) or not (isinstance(bound, (int, float)) and bound > 0):
             raise SGDTPConfigError(f"compile_cache_max_gb={bound!r} must be a positive number of GiB, e.g. 10.")
@@ -493,13 +516,15 @@ def check_fabric_options(config: SGDTPConfig) -> None:
         )
 
 
-def check_trainer_plugins(precision_plugin: str | None, sync_batchnorm: bool, front: str = "Trainer") -> None:
-    """What the Trainer (or Fabric: ``front``) adds that the strategy cannot run: ``precision_plugin``, an unsupported
-    precision plugin's class name (None: supported); ``sync_batchnorm``: ``Trainer(sync_batchnorm=True)``."""
-    if precision_plugin is not None:
+def check_trainer_plugins(precision_plugin: type, sync_batchnorm: bool, front: str = "Trainer") -> None:
+    """What the Trainer (or Fabric: ``front``) adds that the strategy cannot run: ``precision_plugin``, the class of
+    its precision plugin; ``sync_batchnorm``: ``Trainer(sync_batchnorm=True)``."""
+    why = precision_plugin_refusal(precision_plugin)
+    if why is not None:
         raise SGDTPConfigError(
-            f"precision plugin {precision_plugin} is not supported by the sgdtp strategy. Use {front}(precision=...)"
-            f" with one of {', '.join(SUPPORTED_PRECISION)}."
+            f"precision plugin {precision_plugin.__name__} is not supported by the sgdtp strategy: {why}. Use"
+            f" {front}(precision=...) with one of {', '.join(SUPPORTED_PRECISION)}, or a subclass of Lightning's"
+            f" {', '.join(PRECISION_PLUGINS)}."
         )
     if sync_batchnorm:
         raise NotAvailableYetError(
@@ -507,3 +532,17 @@ def check_trainer_plugins(precision_plugin: str | None, sync_batchnorm: bool, fr
             " forward collectives are not in the compiled step). Remove sync_batchnorm=True (buffers are still"
             " broadcast from rank 0 each step, as broadcast_buffers=True), or use strategy='ddp'."
         )
+
+
+def precision_plugin_refusal(plugin: type) -> str | None:
+    """Why the strategy cannot run a precision plugin of class ``plugin`` (None: it can). Decided by the first of
+    Lightning's own classes in its MRO (what a user's subclass extends), without importing Lightning."""
+    for cls in plugin.__mro__:
+        if cls.__module__.split(".")[0] not in ("lightning", "pytorch_lightning", "lightning_fabric"):
+            continue
+        if cls.__name__ in REFUSED_PRECISION_PLUGINS:
+            extends = "" if cls is plugin else f"a {cls.__name__}: "
+            return extends + REFUSED_PRECISION_PLUGINS[cls.__name__]
+        if cls.__name__ in PRECISION_PLUGINS:
+            return None
+    return f"it is not one of Lightning's precision plugins ({', '.join(PRECISION_PLUGINS)})"

@@ -38,6 +38,7 @@ FILE_SECONDS = {
     "test_slurm.py": 135,
     "test_compile_cache.py": 180,
     "test_big_models.py": 75,
+    "test_lightning_contract.py": 90,
     "test_tensor_parallel.py": 111,
     "test_fabric.py": 110,
     "test_no_hang.py": 110,

@@ -1,8 +1,9 @@
 """What the strategy's checkpoint hooks do, on any layout, without Lightning (the hooks delegate here).
 
-- One file (data parallel): written atomically by rank 0 (``_fs.write_atomically``, then the folder fsynced),
-  recorded in the folder's SHA256 manifest (signed with ``signing_key``), verified before ``torch.load``
-  unpickles anything (``verify_artifacts``, ``trusted_key``).
+- One file (data parallel): written atomically by rank 0 (``write_atomically``, then the folder fsynced) with its
+  SHA256 manifest inside, signed with ``signing_key`` (a seal: :mod:`lightning_sgdtp.trust.sealed`; the folder
+  holds the checkpoints and nothing else, as with ``ddp``), verified before ``torch.load`` unpickles anything
+  (``verify_artifacts``, ``trusted_key``).
 - A sharded folder (any mesh): every rank writes its shards, or its stages' tensors, through DCP
   (:mod:`lightning_sgdtp.checkpoint.sharded`); optimizer states are keyed by parameter name, so a checkpoint
   loads on any other layout.
@@ -25,30 +26,40 @@ from lightning_sgdtp.config import SGDTPConfig
 from lightning_sgdtp.runtime.faults import FaultGuard
 from lightning_sgdtp.trust import verify_dir
 from lightning_sgdtp.trust.durable import fsync_path, write_atomically
-from lightning_sgdtp.trust.manifest import record_files
-from lightning_sgdtp.trust.signatures import sign_with
+from lightning_sgdtp.trust.sealed import retire_manifest, seal
+from lightning_sgdtp.trust.sealed import verify_file as verify_sealed
+from lightning_sgdtp.trust.signatures import signing_keys
 
 
 # ------------------------------------------------------------------------------------------- one file
 def save_file(checkpoint: dict[str, Any], target: Path, signing_key: str | None) -> None:
-    """``torch.save`` to a temporary file, fsync, then rename: a crash mid-save leaves the previous file whole."""
+    """``torch.save`` to a temporary file, seal it (signed with ``signing_key``), fsync, then rename: a crash mid-save
+    leaves the previous file whole."""
+    gpg_key, pem_key = signing_keys(signing_key)
+
+    def write(f: Any) -> None:
+        torch.save(checkpoint, f)
+        seal(f, gpg_key=gpg_key, pem_key=pem_key)
+
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(target, lambda f: torch.save(checkpoint, f))
+    write_atomically(target, write)
     # What saves killed mid-write left behind (never a file Lightning would load: the name does not match).
     for stale in target.parent.glob(f".{target.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     fsync_path(target.parent)
-    record(target, signing_key)
+    retire_manifest(target.parent)
 
 
-def record(target: Path, signing_key: str | None) -> None:
-    """Update (and sign) the folder's manifest for the file just written or removed."""
-    sign_with(target.parent, signing_key, record_files(target.parent, [target.name]))
+def removed(target: Path) -> None:
+    """``target`` was removed (by ``ModelCheckpoint``): the previous layout's manifest beside it goes once it vouches
+    for no file there (a folder written before seals, then resumed into)."""
+    retire_manifest(target.parent)
 
 
 def verify_file(target: Path, trusted_key: str | None) -> None:
-    """Refuse a file its folder's manifest (and signature, with ``trusted_key``) does not vouch for."""
-    verify_dir(target.parent, trusted=Path(trusted_key) if trusted_key else None, only=[target.name])
+    """Refuse a file its seal (or the previous layout's manifest beside it; signed, with ``trusted_key``) does not
+    vouch for."""
+    verify_sealed(target, trusted=Path(trusted_key) if trusted_key else None)
 
 
 # -------------------------------------------------------------------------------------------- layouts

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from lightning.fabric.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
@@ -45,7 +45,7 @@ from lightning_sgdtp.checkpoint import hooks as checkpoints
 from lightning_sgdtp.config import SGDTPConfigError, check_fabric_options
 from lightning_sgdtp.engine.compiled import CompiledStep
 from lightning_sgdtp.engine.parallelize import to_device
-from lightning_sgdtp.engine.step_compile import check_not_compiled
+from lightning_sgdtp.engine.step_compile import adopt_compiled
 from lightning_sgdtp.frontends.job import FrontEnd, Job, strategy_docs, strategy_signature
 from lightning_sgdtp.observe.timeline import label
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
@@ -109,7 +109,7 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
                 " compiled collectives run on torch.distributed's gloo (CPU) or NCCL (CUDA). Use"
                 " Fabric(accelerator='cpu') or Fabric(accelerator='cuda')."
             )
-        self._job.check_launch(type(self.precision), (Precision, MixedPrecision, HalfPrecision), False, "Fabric")
+        self._job.check_launch(type(self.precision), False, "Fabric")
         assert self.cluster_environment is not None
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -150,7 +150,7 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
         self._names_before = {id(p): (weakref.ref(p), n) for n, p in module.named_parameters()}
         job.prepare(module)
         engine = job.engine_for(module)
-        job.report.folder = Path.cwd()
+        job.report.place(Path.cwd(), job.config.plan_file, logger=False)  # Fabric's loggers are not the strategy's
         job.report.say(
             f"Fabric: {job.describe()}; {type(module).__name__}'s call compiled (forward and its hooks),"
             " fabric.backward runs its compiled backward"
@@ -159,7 +159,7 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
         return _SGDTPModule(module, self)
 
     def _check_module(self, module: nn.Module) -> None:
-        """What Fabric lets through and the strategy cannot run: a second model, a compiled or wrapped one."""
+        """What Fabric lets through and the strategy cannot run: a second model, a wrapped one (a compiled one: adopted)."""
         engine = self._job.engine
         if engine is not None:
             again = "the same model" if engine.module is module else f"a second model ({type(module).__name__})"
@@ -167,7 +167,7 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
                 f"fabric.setup() got {again}, but the sgdtp strategy runs one model per Fabric (one compiled step and"
                 " gradient sync): set up each model once, and put models trained together into one nn.Module."
             )
-        check_not_compiled(module, "fabric.setup()", stripped=_pending_fabric_compile())
+        adopt_compiled(module, self._job.report.say, "fabric.setup()", _fabric_compile_kwargs())
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
         from torch.nn.parallel import DistributedDataParallel
 
@@ -414,17 +414,17 @@ def _module_and_optimizers(state: Any) -> tuple[nn.Module | None, list[Optimizer
     return (modules[0] if modules else None), [v for v in items if isinstance(v, Optimizer)]
 
 
-def _pending_fabric_compile() -> bool:
-    """Whether Fabric stripped a ``torch.compile`` wrapper off the module it is setting up (it re-applies it to what
-    the strategy returns, which would trace the step with the user's backend, not ours). Read from Fabric.setup's
-    frame: Fabric does not tell the strategy."""
+def _fabric_compile_kwargs() -> dict[str, Any] | None:
+    """The arguments of the ``torch.compile`` wrapper Fabric stripped off the module it is setting up (None: none),
+    the very dict it re-applies around what the strategy returns. Read from Fabric.setup's frame: Fabric does not
+    tell the strategy."""
     from lightning.fabric import Fabric
 
     codes = {Fabric.setup.__code__, Fabric.setup_module.__code__}
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code in codes:
-            return frame.f_locals.get("compile_kwargs") is not None
+            return frame.f_locals.get("compile_kwargs")
         frame = frame.f_back
     return False
 

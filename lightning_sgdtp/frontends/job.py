@@ -118,6 +118,14 @@ class Job:
         """The step a failure and the engine name: the Trainer's global step, else the optimizer steps taken."""
         return self._step() if self._step is not None else self.steps
 
+    def __getstate__(self) -> dict[str, Any]:
+        """``torch.save(trainer)``, ``copy.deepcopy(strategy)``: the options and the report, as with ``DDPStrategy``;
+        what belongs to this process's run is left out and rebuilt by the next setup (the dimensions and their meshes'
+        process groups, the engine and its compiled code, the watchdog's threads, the preemption signal's handler,
+        the settings to undo; the fault guard leaves out its heartbeat: :mod:`~lightning_sgdtp.runtime.process_bound`)."""
+        runtime = {"dims": None, "engine": None, "watchdog": None, "preemption": None}
+        return {**self.__dict__, **runtime, "settings": model_settings.TrainingSettings()}
+
     # ----------------------------------------------------------------------------------------------- what it is
     @property
     def dp_size(self) -> int:
@@ -147,11 +155,11 @@ class Job:
         return self.dims.sampler_kwargs(self.host.global_rank)
 
     # ------------------------------------------------------------------------------------------------ processes
-    def check_launch(self, precision: type, supported: tuple[type, ...], layer_sync: bool, front: str) -> None:
+    def check_launch(self, precision: type, layer_sync: bool, front: str) -> None:
         """In the launching process, before any process starts: what ``front`` (``"Trainer"``, ``"Fabric"``) adds
-        that the strategy cannot run (a precision plugin not in ``supported``; ``layer_sync``: sync_batchnorm), and
-        sizes that cannot work (with ``parallelism="auto"``: at setup, once the planner chose)."""
-        check_trainer_plugins(None if precision in supported else precision.__name__, layer_sync, front=front)
+        that the strategy cannot run (a precision plugin of class ``precision`` it cannot run; ``layer_sync``:
+        sync_batchnorm), and sizes that cannot work (with ``parallelism="auto"``: at setup, once the planner chose)."""
+        check_trainer_plugins(precision, layer_sync, front=front)
         assert self.host.cluster_environment is not None
         n = self.host.num_processes
         if not self.config.planned:

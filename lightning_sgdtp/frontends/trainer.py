@@ -13,6 +13,7 @@ preemption callback. ``docs/how-it-works.md`` follows one step through them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -29,7 +30,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -48,16 +49,17 @@ from lightning_sgdtp.engine.base import EngineInputs, StepEngine
 from lightning_sgdtp.engine.compiled import CompiledStep
 from lightning_sgdtp.engine.parallelize import to_device
 from lightning_sgdtp.engine.pipelined import PipelinedStep
-from lightning_sgdtp.engine.step_compile import check_not_compiled
+from lightning_sgdtp.engine.step_compile import adopt_compiled
 from lightning_sgdtp.frontends.job import FrontEnd, Job, strategy_docs, strategy_signature
 from lightning_sgdtp.observe.timeline import CLOSURE_LABEL, labelled
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
+from lightning_sgdtp.runtime.process_bound import without_child_processes
 from lightning_sgdtp.sync.ledger import GradLedger
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """One-file checkpoints written atomically and recorded in the folder's SHA256 manifest (signed with
-    ``signing_key``); with ``verify``, checked against it (and ``trusted_key``) before anything is unpickled
+    """One-file checkpoints written atomically with their SHA256 manifest inside (signed with ``signing_key``); with
+    ``verify``, checked against it (and ``trusted_key``) before anything is unpickled
     (:mod:`lightning_sgdtp.checkpoint.hooks`)."""
 
     def __init__(self, verify: bool = True, trusted_key: str | None = None, signing_key: str | None = None) -> None:
@@ -74,7 +76,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def remove_checkpoint(self, path: _PATH) -> None:
         super().remove_checkpoint(path)
         if "://" not in str(path):
-            checkpoints.record(Path(path), self.signing_key)
+            checkpoints.removed(Path(path))
 
     @override
     def load_checkpoint(
@@ -129,10 +131,10 @@ class SGDTPStrategy(FrontEnd, ParallelStrategy):
 
     @_lightning_module.setter
     def _lightning_module(self, module: pl.LightningModule | None) -> None:
-        # Lightning assigns the module here before it spawns any process: the earliest place to refuse a
-        # compiled module with our own message (Lightning's generic one comes right after).
+        # Lightning assigns the module here on every process, before the strategy starts (rank 0 by Lightning's count):
+        # a compiled one is taken back to the plain module, its settings kept for the step's compile.
         if module is not None:
-            check_not_compiled(module)
+            adopt_compiled(module, self._job.report.say if utils_rank_zero_only.rank == 0 else lambda line: None)
             built_later = is_overridden("configure_model", module, pl.LightningModule)  # its layers come at setup
             if self._job.config.activation_checkpointing and find_block_stack(module) is None and not built_later:
                 raise SGDTPConfigError(no_block_stack_message(module))
@@ -173,11 +175,14 @@ class SGDTPStrategy(FrontEnd, ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         return trainer.global_step if trainer is not None else -1
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.save(trainer), deepcopy: as DDPStrategy's, on rank 0 too (the job leaves out this process's run)
+        return without_child_processes(super().__getstate__())
+
     # ---------------------------------------------------------------------------------------- processes
     @override
     def _configure_launcher(self) -> None:
-        supported = (Precision, MixedPrecision, HalfPrecision)
-        self._job.check_launch(type(self.precision_plugin), supported, self._layer_sync is not None, "Trainer")
+        self._job.check_launch(type(self.precision_plugin), self._layer_sync is not None, "Trainer")
         assert self.cluster_environment is not None
         # Always, as DDPStrategy: with processes started by SLURM or torchrun the launcher starts nothing, but it
         # checks devices / num_nodes against the launcher's tasks before anything else happens.
@@ -211,8 +216,10 @@ class SGDTPStrategy(FrontEnd, ParallelStrategy):
         engine = job.engine_for(self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            # `trainer.log_dir` broadcasts from rank 0: ask on every rank, here, never from rank 0 alone.
-            job.report.folder = Path(trainer.log_dir or trainer.default_root_dir)
+            # `trainer.log_dir` broadcasts from rank 0: ask on every rank, here, never from rank 0 alone. The plan file
+            # goes there with a logger; with logger=False (ddp writes no file) only where plan_file says.
+            folder = Path(trainer.log_dir or trainer.default_root_dir)
+            job.report.place(folder, job.config.plan_file, logger=bool(trainer.loggers))
             job.report.say(f"{job.describe()}, processes from {type(self.cluster_environment).__name__}")
         clip = engine.setup(fitting, trainer.accumulate_grad_batches)
         if clip is not None:  # the norm over every shard or stage, not this rank's
@@ -383,10 +390,7 @@ class SGDTPStrategy(FrontEnd, ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is None or not trainer.training or isinstance(dataloader, ResumableLoader):
             return dataloader
-
-        def progress() -> tuple[int, int]:
-            return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
-
+        progress = functools.partial(_fit_progress, trainer)  # not a closure: the loader pickles with the trainer
         return ResumableLoader(dataloader, progress, self._job.all_gather_object, self.global_rank, self.world_size)
 
     # ------------------------------------------------------------------------------------------- faults
@@ -422,6 +426,11 @@ SGDTPStrategy.__init__.__doc__ = strategy_docs()
 def _step_engine(module: torch.nn.Module, inputs: EngineInputs) -> StepEngine:
     """The engine of a module: the pipelined one with pipeline options, else the compiled one."""
     return (PipelinedStep if inputs.dims.pp_enabled else CompiledStep)(module, inputs)  # the one choice of engine
+
+
+def _fit_progress(trainer: pl.Trainer) -> tuple[int, int]:
+    """Where the resumable loader resumes: the epoch and the batches processed in it."""
+    return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
 
 class _PreemptionCheckpoint(Callback):

@@ -1,5 +1,6 @@
 """What the plugin decided, shown to the user: one ``sgdtp:`` line per decision on rank 0, ``strategy.plan`` (plain
-data), and ``sgdtp_plan.json`` next to the logs, rewritten atomically whenever the plan changes.
+data), and ``sgdtp_plan.json`` next to the logs (none without a logger, as ``ddp`` writes none; the ``plan_file``
+option names another place), rewritten atomically whenever the plan changes.
 
 The report collects; it decides nothing. Each part of the plan comes from the object that owns the decision:
 the layout (sizes, rank grid), the engine (tensor-parallel plan, pipeline split, activation checkpointing, the
@@ -36,12 +37,26 @@ class PlanReport:
 
     def __init__(self, rank: int = 0) -> None:
         self.rank = rank
-        self.folder: Path | None = None
+        self.folder: Path | None = None  # next to the logs: the timeline's folder (None: the working directory)
+        self.plan_path: Path | None = None  # the plan file (None: none is written)
         self.graph_breaks: dict[str, int] = {}
         self._breaks_at_setup: dict[str, int] = {}
         self._announced: set[int] = set()
         self._written: str | None = None
         self._token: Any = None
+
+    def place(self, folder: Path, plan_file: str | Path | bool, logger: bool) -> None:
+        """Where this run's files go: ``folder`` is next to the logs (the timeline's); the plan file goes where
+        ``plan_file`` (the option) says: a file (or into a folder that exists), none with False, and with ``"auto"``
+        into ``folder`` if the run has a logger (``logger``), else nowhere."""
+        self.folder = folder
+        if plan_file == "auto":
+            self.plan_path = folder / PLAN_FILENAME if logger else None
+        elif plan_file is False:
+            self.plan_path = None
+        else:
+            path = Path(plan_file).expanduser().absolute()
+            self.plan_path = path / PLAN_FILENAME if path.is_dir() else path
 
     def say(self, message: str) -> None:
         if self.rank == 0:
@@ -103,10 +118,11 @@ class PlanReport:
             b = current["bytes_per_step"]
             self.say(f"bytes communicated per step: {size(b['in_graph'])} in-graph + {size(b['fallback'])} fallback")
         self._written = key
-        folder = self.folder or Path.cwd()
-        folder.mkdir(parents=True, exist_ok=True)
+        if self.plan_path is None:
+            return
+        self.plan_path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(current, indent=2, sort_keys=True, default=str)
-        write_atomically(folder / PLAN_FILENAME, lambda f: f.write(text.encode()))
+        write_atomically(self.plan_path, lambda f: f.write(text.encode()))
 
 
 def plan_dict(

@@ -28,8 +28,11 @@ import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
+
+from lightning_sgdtp.runtime.process_bound import ProcessBound
 
 log = logging.getLogger("lightning.pytorch.sgdtp")
 
@@ -77,7 +80,7 @@ def is_distributed_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(s in text for s in markers)
 
 
-class Liveness:
+class Liveness(ProcessBound):
     """Heartbeats, failure reports and the watchdog for one rank. See the module docstring."""
 
     def __init__(
@@ -304,6 +307,11 @@ class FaultGuard:
         self.collective_timeout = collective_timeout
         self.step = step
         self.liveness: Liveness | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``torch.save(trainer)``, ``copy.deepcopy(strategy)``) keeps the timeout, not the heartbeat: a thread
+        of this process; a copy starts its own at :meth:`start`."""
+        return {**self.__dict__, "liveness": None}
 
     def start(self, host: str, port: int, rank: int, world_size: int) -> None:
         """Start the heartbeat (a collective: every rank calls it). One key per job run: heartbeats of an earlier

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from lightning_sgdtp.runtime.process_bound import ProcessBound
+
 
 class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint is saved and the job requeued: a clean exit (0)."""
@@ -90,7 +92,7 @@ def _flush_output() -> None:
             pass
 
 
-class PreemptionCoordinator:
+class PreemptionCoordinator(ProcessBound):
     """The ranks' agreement on a preemption signal, and what they do at the end of the agreed step.
 
     The flag travels in an all-reduce that runs anyway (the ledger's agreement before backward,

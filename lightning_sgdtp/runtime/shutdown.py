@@ -32,6 +32,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from lightning_sgdtp.runtime.process_bound import ProcessBound
+
 log = logging.getLogger("lightning.pytorch.sgdtp")
 
 #: Seconds the main thread has to end on its own after SIGTERM / SIGINT or after this rank failed.
@@ -39,7 +41,7 @@ DEFAULT_GRACE = 10.0
 WATCHED = (signal.SIGTERM, signal.SIGINT)
 
 
-class ShutdownWatchdog:
+class ShutdownWatchdog(ProcessBound):
     """See the module docstring. ``where()`` says what the rank is doing (for the message); ``tell_peers(text)``
     reports the failure to the other ranks."""
 

@@ -19,11 +19,12 @@ def fsync_path(path: Path) -> None:
 
 
 def write_atomically(target: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """``write`` into ``.NAME.tmp-PID`` next to ``target``, fsync it, then rename it over ``target``: a crash
-    leaves the previous file whole (and at most a temporary file, which the manifest never lists)."""
+    """``write`` into ``.NAME.tmp-PID`` next to ``target`` (open for reading too: a seal reads back what was written),
+    fsync it, then rename it over ``target``: a crash leaves the previous file whole (and at most a temporary file,
+    which a manifest never lists)."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "w+b") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

@@ -73,23 +73,6 @@ def write_manifest(root: Path, manifest: dict[str, Any] | None = None) -> Path:
     return target
 
 
-def record_files(root: Path, changed: Iterable[str]) -> dict[str, Any]:
-    """The folder's manifest with ``changed`` files (re)hashed and entries of deleted files dropped; nothing else
-    in the folder is read. How a checkpoint writer keeps the manifest of the files it wrote, one save at a time."""
-    root = Path(root)
-    try:
-        old = read_manifest(root) if (root / MANIFEST).exists() else {"format": FORMAT, "files": []}
-    except ArtifactVerificationError:  # unreadable: start afresh rather than fail a save (it lists only new files)
-        old = {"format": FORMAT, "files": []}
-    entries = {e["path"]: e for e in old["files"] if (root / e["path"]).is_file()}
-    for rel in changed:
-        if (root / rel).is_file():
-            entries[rel] = _entry(root, rel)
-        else:
-            entries.pop(rel, None)
-    return {"format": FORMAT, "files": [entries[k] for k in sorted(entries)]}
-
-
 def read_manifest(root: Path) -> dict[str, Any]:
     path = Path(root) / MANIFEST
     if not path.exists():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,70 +25,61 @@ GPG_SIGNATURE = f"{MANIFEST}.sig"
 PEM_SIGNATURE = f"{MANIFEST}.pem-sig"
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], data: bytes | None = None) -> subprocess.CompletedProcess:
     if shutil.which(cmd[0]) is None:
-        raise ArtifactVerificationError(cmd[-1], "signature", f"`{cmd[0]}` is not installed (GnuPG); use a PEM key")
-    return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
+        raise ArtifactVerificationError(cmd[0], "signature", f"`{cmd[0]}` is not installed (GnuPG); use a PEM key")
+    return subprocess.run(cmd, input=data, capture_output=True, check=False, timeout=120)
 
 
-def _existing_signature(manifest: Path, name: str) -> Path:
-    """The signature file ``name`` next to ``manifest``; refused when there is none (the manifest is unsigned)."""
-    signature = manifest.with_name(name)
-    if not signature.exists():
-        raise ArtifactVerificationError(manifest, "signature", f"there is no {name} (the manifest is unsigned)")
-    return signature
+def _stderr(result: subprocess.CompletedProcess) -> str:
+    return result.stderr.decode(errors="replace").strip()
 
 
-def gpg_sign(manifest: Path, key: str, gnupg_home: str | None = None) -> Path:
-    """Write ``MANIFEST.sig``, a detached OpenPGP signature made by ``key`` (a key id, fingerprint or email)."""
-    out = manifest.with_name(GPG_SIGNATURE)
+# ------------------------------------------------------------------------------------------ bytes
+def gpg_sign_bytes(data: bytes, key: str, gnupg_home: str | None = None) -> bytes:
+    """A detached OpenPGP signature of ``data`` made by ``key`` (a key id, fingerprint or email)."""
     home = ["--homedir", gnupg_home] if gnupg_home else []
-    cmd = ["gpg", *home, "--batch", "--yes", "--local-user", key, "--output", str(out), "--detach-sign", str(manifest)]
-    result = _run(cmd)
+    result = _run(["gpg", *home, "--batch", "--yes", "--local-user", key, "--output", "-", "--detach-sign"], data)
     if result.returncode != 0:
-        raise RuntimeError(f"sgdtp: gpg could not sign {manifest} with key {key!r}: {result.stderr.strip()}")
-    return out
+        raise RuntimeError(f"sgdtp: gpg could not sign with key {key!r}: {_stderr(result)}")
+    return result.stdout
 
 
-def gpgv_verify(manifest: Path, keyring: Path) -> str:
-    """Check ``MANIFEST.sig`` with ``gpgv`` against ``keyring`` (only its keys are trusted). Returns gpgv's report."""
-    signature = _existing_signature(manifest, GPG_SIGNATURE)
-    result = _run(["gpgv", "--keyring", str(Path(keyring).resolve()), str(signature), str(manifest)])
+def gpgv_check(data: bytes, signature: bytes, keyring: Path, what: Path | str) -> str:
+    """Check ``signature`` of ``data`` with ``gpgv`` against ``keyring`` (only its keys are trusted); refusals name
+    ``what``. Returns gpgv's report."""
+    with tempfile.TemporaryDirectory(prefix="sgdtp-gpgv-") as tmp:
+        (Path(tmp) / "signature").write_bytes(signature)
+        cmd = ["gpgv", "--keyring", str(Path(keyring).resolve()), str(Path(tmp) / "signature"), "-"]
+        result = _run(cmd, data)
     if result.returncode != 0:
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        lines = [line for line in _stderr(result).splitlines() if line.strip()]
         raise ArtifactVerificationError(
-            manifest, "signature", f"gpgv did not accept it against keyring {keyring}: {' / '.join(lines[-2:])}"
+            what, "signature", f"gpgv did not accept it against keyring {keyring}: {' / '.join(lines[-2:])}"
         )
-    return result.stderr.strip()
+    return _stderr(result)
 
 
-def pem_sign(manifest: Path, private_key: Path) -> Path:
+def pem_sign_bytes(data: bytes, private_key: Path) -> bytes:
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
     key: Any = serialization.load_pem_private_key(Path(private_key).read_bytes(), password=None)
-    data = manifest.read_bytes()
     if isinstance(key, ed25519.Ed25519PrivateKey):
-        signature = key.sign(data)
-    elif isinstance(key, rsa.RSAPrivateKey):
-        signature = key.sign(data, _pss(padding, hashes), hashes.SHA256())
-    elif isinstance(key, ec.EllipticCurvePrivateKey):
-        signature = key.sign(data, ec.ECDSA(hashes.SHA256()))
-    else:
-        raise TypeError(f"sgdtp: {private_key}: unsupported key type {type(key).__name__} (use Ed25519, RSA or EC)")
-    out = manifest.with_name(PEM_SIGNATURE)
-    out.write_bytes(signature)
-    return out
+        return key.sign(data)
+    if isinstance(key, rsa.RSAPrivateKey):
+        return key.sign(data, _pss(padding, hashes), hashes.SHA256())
+    if isinstance(key, ec.EllipticCurvePrivateKey):
+        return key.sign(data, ec.ECDSA(hashes.SHA256()))
+    raise TypeError(f"sgdtp: {private_key}: unsupported key type {type(key).__name__} (use Ed25519, RSA or EC)")
 
 
-def pem_verify(manifest: Path, public_key: Path) -> None:
+def pem_check(data: bytes, signature: bytes, public_key: Path, what: Path | str) -> None:
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
-    signature_path = _existing_signature(manifest, PEM_SIGNATURE)
     key: Any = serialization.load_pem_public_key(Path(public_key).read_bytes())
-    data, signature = manifest.read_bytes(), signature_path.read_bytes()
     try:
         if isinstance(key, ed25519.Ed25519PublicKey):
             key.verify(signature, data)
@@ -96,11 +88,55 @@ def pem_verify(manifest: Path, public_key: Path) -> None:
         elif isinstance(key, ec.EllipticCurvePublicKey):
             key.verify(signature, data, ec.ECDSA(hashes.SHA256()))
         else:
-            raise ArtifactVerificationError(manifest, "signature", f"unsupported key type {type(key).__name__}")
+            raise ArtifactVerificationError(what, "signature", f"unsupported key type {type(key).__name__}")
     except InvalidSignature as exc:
         raise ArtifactVerificationError(
-            manifest, "signature", f"the PEM signature does not match public key {public_key}"
+            what, "signature", f"the PEM signature does not match public key {public_key}"
         ) from exc
+
+
+def sign_bytes(
+    data: bytes, gpg_key: str | None = None, gnupg_home: str | None = None, pem_key: Path | None = None
+) -> dict[str, bytes]:
+    """The detached signatures of a manifest's bytes, by the name they are kept under (none without a key)."""
+    signatures = {}
+    if gpg_key:
+        signatures[GPG_SIGNATURE] = gpg_sign_bytes(data, gpg_key, gnupg_home)
+    if pem_key:
+        signatures[PEM_SIGNATURE] = pem_sign_bytes(data, Path(pem_key))
+    return signatures
+
+
+def check_signature(data: bytes, signatures: dict[str, bytes], trusted: Path, what: Path | str) -> None:
+    """Refuse ``data`` (a manifest) unless its signature of ``trusted``'s kind (a gpg keyring, a PEM public key)
+    is among ``signatures`` and verifies; refusals name ``what``."""
+    name = PEM_SIGNATURE if is_pem_public_key(Path(trusted)) else GPG_SIGNATURE
+    if name not in signatures:
+        raise ArtifactVerificationError(what, "signature", f"there is no {name} (the manifest is unsigned)")
+    if name == PEM_SIGNATURE:
+        pem_check(data, signatures[name], Path(trusted), what)
+    else:
+        gpgv_check(data, signatures[name], Path(trusted), what)
+
+
+def signing_keys(signing_key: str | None) -> tuple[str | None, Path | None]:
+    """The strategy's ``signing_key`` form (``"gpg:KEY"``, a PEM private key's path, or None) as (gpg key, PEM key)."""
+    gpg_key = signing_key.removeprefix("gpg:") if signing_key and signing_key.startswith("gpg:") else None
+    return gpg_key, (Path(signing_key) if signing_key and gpg_key is None else None)
+
+
+# ------------------------------------------------------------------------------------------ files
+def gpg_sign(manifest: Path, key: str, gnupg_home: str | None = None) -> Path:
+    """Write ``MANIFEST.sig``, a detached OpenPGP signature made by ``key`` (a key id, fingerprint or email)."""
+    out = manifest.with_name(GPG_SIGNATURE)
+    out.write_bytes(gpg_sign_bytes(manifest.read_bytes(), key, gnupg_home))
+    return out
+
+
+def pem_sign(manifest: Path, private_key: Path) -> Path:
+    out = manifest.with_name(PEM_SIGNATURE)
+    out.write_bytes(pem_sign_bytes(manifest.read_bytes(), private_key))
+    return out
 
 
 def _pss(padding: Any, hashes: Any) -> Any:
@@ -131,8 +167,7 @@ def sign_dir(
 def sign_with(root: Path, signing_key: str | None, manifest_data: dict[str, Any] | None = None) -> Path:
     """:func:`sign_dir` with the strategy's ``signing_key`` form: ``"gpg:KEY"``, a PEM private key's path, or None
     (manifest only)."""
-    gpg_key = signing_key.removeprefix("gpg:") if signing_key and signing_key.startswith("gpg:") else None
-    pem_key = Path(signing_key) if signing_key and gpg_key is None else None
+    gpg_key, pem_key = signing_keys(signing_key)
     return sign_dir(root, gpg_key=gpg_key, pem_key=pem_key, manifest_data=manifest_data)
 
 
@@ -142,8 +177,6 @@ def verify_dir(root: Path, trusted: Path | None = None, only: list[str] | None =
     root = Path(root)
     manifest = read_manifest(root)
     if trusted is not None:
-        if is_pem_public_key(Path(trusted)):
-            pem_verify(root / MANIFEST, Path(trusted))
-        else:
-            gpgv_verify(root / MANIFEST, Path(trusted))
+        signatures = {n: (root / n).read_bytes() for n in (GPG_SIGNATURE, PEM_SIGNATURE) if (root / n).is_file()}
+        check_signature((root / MANIFEST).read_bytes(), signatures, Path(trusted), root / MANIFEST)
     verify_files(root, manifest, only)

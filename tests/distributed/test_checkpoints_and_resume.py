@@ -11,9 +11,12 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -321,21 +324,26 @@ def _job(root: Path, part: str, **kwargs: object) -> str:
     return next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))
 
 
+def _sealed(checkpoint: Path) -> list[str]:
+    """The records of a checkpoint's seal (its manifest inside the file: lightning_sgdtp.trust.sealed)."""
+    return sorted(n.split("/", 1)[1] for n in zipfile.ZipFile(checkpoint).namelist() if "/.sgdtp/" in n)
+
+
 def test_strategy_checkpoints_are_verified_before_unpickling(tmp_path: Path) -> None:
     assert _job(tmp_path, "train") == "RESULT ok 2"
-    manifest = json.loads((tmp_path / "ckpt" / MANIFEST).read_text())
-    assert sorted(e["path"] for e in manifest["files"]) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch=0-step=2.ckpt", "last.ckpt"]  # what ddp's folder lists
+    assert all(_sealed(tmp_path / "ckpt" / name) == [f".sgdtp/{MANIFEST}"] for name in os.listdir(tmp_path / "ckpt"))
     assert _job(tmp_path, "resume") == "RESULT ok 4"  # verified, then loaded
 
     last = tmp_path / "ckpt" / "last.ckpt"
     good = last.read_bytes()
     last.write_bytes(good[: len(good) // 2])
-    assert _job(tmp_path, "resume") == "RESULT refused size last.ckpt unpickled: 0"
-    last.write_bytes(good[:-9] + bytes([good[-9] ^ 0xFF]) + good[-8:])
+    assert _job(tmp_path, "resume") == "RESULT refused archive last.ckpt unpickled: 0"
+    middle = len(good) // 3  # a byte of torch's records (the seal and the zip directory are at the end)
+    last.write_bytes(good[:middle] + bytes([good[middle] ^ 0xFF]) + good[middle + 1 :])
     assert _job(tmp_path, "resume") == "RESULT refused SHA256 last.ckpt unpickled: 0"
-    last.write_bytes(good)
-    (tmp_path / "ckpt" / MANIFEST).unlink()  # a checkpoint that nothing vouches for
-    assert _job(tmp_path, "resume") == "RESULT refused manifest ckpt unpickled: 0"
+    torch.save(torch.load(io.BytesIO(good), weights_only=False), last)  # a checkpoint that nothing vouches for
+    assert _job(tmp_path, "resume") == "RESULT refused manifest last.ckpt unpickled: 0"
     assert _job(tmp_path, "resume", verify_artifacts=False) == "RESULT ok 4"
 
 
@@ -352,9 +360,10 @@ def test_signed_checkpoints_need_the_trusted_key(tmp_path: Path) -> None:
         )
     signed = tmp_path / "run"
     assert _job(signed, "train", signing_key=str(private)) == "RESULT ok 2"
-    assert (signed / "ckpt" / f"{MANIFEST}.pem-sig").exists()
+    assert sorted(os.listdir(signed / "ckpt")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    assert _sealed(signed / "ckpt" / "last.ckpt") == [f".sgdtp/{MANIFEST}", f".sgdtp/{MANIFEST}.pem-sig"]
     assert _job(signed, "resume", trusted_key=str(public)) == "RESULT ok 4"
-    assert _job(signed, "resume", trusted_key=str(other)) == f"RESULT refused signature {MANIFEST} unpickled: 0"
+    assert _job(signed, "resume", trusted_key=str(other)) == "RESULT refused signature last.ckpt unpickled: 0"
     unsigned = tmp_path / "unsigned"
     assert _job(unsigned, "train") == "RESULT ok 2"
-    assert _job(unsigned, "resume", trusted_key=str(public)) == f"RESULT refused signature {MANIFEST} unpickled: 0"
+    assert _job(unsigned, "resume", trusted_key=str(public)) == "RESULT refused signature last.ckpt unpickled: 0"

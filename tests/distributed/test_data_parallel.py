@@ -57,13 +57,27 @@ class Case:
     sgdtp: dict[str, Any] = field(default_factory=dict)
     max_abs: float | None = 1e-4
     data: dict[str, Any] = field(default_factory=dict)
+    #: ``torch.compile(model, **compile_module)`` before ``fit`` (sgdtp's run; ddp trains the plain module).
+    compile_module: dict[str, Any] | None = None
+    #: ``"counting"``: both runs with the job's ``CountingPrecision`` (a subclass of Lightning's fp32 plugin).
+    precision_plugin: str | None = None
 
     def scenario(self) -> dict[str, Any]:
-        return {"model": self.model, "trainer": self.trainer, "sgdtp": self.sgdtp, "data": self.data}
+        return {
+            "model": self.model, "trainer": self.trainer, "sgdtp": self.sgdtp, "data": self.data,
+            "compile_module": self.compile_module, "precision_plugin": self.precision_plugin,
+        }  # fmt: skip
 
 
 CASES = {
-    "breaks": Case("graph breaks (self.log, explicit), an eager region, tied and unused parameters"),
+    # Also what a user brings along: torch.compile(model) (the strategy takes the plain module and the settings,
+    # dynamic=False passed on) and a precision plugin of their own (a subclass: its hooks are the ones called).
+    "breaks": Case(
+        "graph breaks (self.log, explicit), an eager region, tied and unused parameters; the model torch.compile()d,"
+        " a precision plugin subclass",
+        compile_module={"mode": "default", "dynamic": False},
+        precision_plugin="counting",
+    ),
     # One job for what the same GPT graphs show (each was a job of its own): against ddp without checkpointing.
     # 44 samples: 22 a rank, batches of 4: the sixth (last) step is the epoch's short batch of 2 (run eagerly).
     "gpt": Case(
@@ -130,6 +144,13 @@ def test_parity_with_ddp(name: str, tmp_path_factory: pytest.TempPathFactory) ->
         assert diff < tolerance, f"{name}: max |sgdtp - ddp| = {diff:.3g} >= {tolerance}"
     # (every optimizer step the strategy checks the ledger's coverage and raises if a gradient was missed)
     assert r["info"]["plan"]["graphs"], "no graph was captured"
+    if CASES[name].compile_module is not None:  # the user's compile settings, said on rank 0: dynamic=False taken
+        said = [line for line in r["log"].splitlines() if "sgdtp: torch.compile(model): the step is compiled" in line]
+        assert len(said) == 1 and "backend 'sgdtp', with your dynamic=False" in said[0], said
+    if CASES[name].precision_plugin == "counting":  # the plugin's own hooks ran: once per step, the module converted
+        calls = r["info"]["plugin_calls"]
+        assert calls["convert_module"] == 1 and calls["backward"] == calls["optimizer_step"] == 6, calls
+        assert calls["forward_context"] >= 6, calls
 
 
 @pytest.mark.covers("data", "regional compile")
@@ -252,20 +273,6 @@ def test_negative_control_missed_sync_is_detected(tmp_path_factory: pytest.TempP
     g_ref, g_ours = r["ref_grads"], r["grads"]
     worst = max(float((g_ref[n] - g_ours[n]).norm() / g_ref[n].norm()) for n in g_ref)
     assert worst > 0.1, worst  # unsynced gradients are far from the averaged ones
-
-
-@pytest.mark.covers("data", "validate")
-@pytest.mark.covers("data", "test")
-@pytest.mark.covers("data", "predict")
-def test_validate_test_predict_and_sampler(tmp_path: Path) -> None:
-    run_job("dp_evaluate.py", str(tmp_path))
-    info = json.loads((tmp_path / "eval.json").read_text())
-    ref, ours = info["ref"], info["sgdtp"]
-    assert abs(ref["val"] - ours["val"]) < 1e-4 and abs(ref["test"] - ours["test"]) < 1e-4
-    assert ref["pred"] == ours["pred"]
-    # the training sampler is sized by the data-parallel group: 2 replicas, 32 samples / 2 / batch 4 = 4 batches
-    assert ours["sampler"] == ["DistributedSampler", 2, 0] and ours["batches"] == 4
-    assert info["sampler_kwargs"] == {"num_replicas": 2, "rank": 0}
 
 
 def test_two_nodes_via_node_rank(tmp_path: Path) -> None:

@@ -30,3 +30,19 @@ def make_artifact(root: Path) -> Path:
     (root / "shards" / "rank0.bin").write_bytes(b"\x00" * 1000)
     (root / "plan.json").write_text(json.dumps({"buckets": 3}))
     return root
+
+
+def make_pem_keys(folder: Path, name: str) -> tuple[Path, Path]:
+    """An Ed25519 key pair as PEM files: (private, public)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    private, public = folder / f"{name}.pem", folder / f"{name}.pub.pem"
+    private.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    return private, public

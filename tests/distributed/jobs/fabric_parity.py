@@ -5,7 +5,8 @@ same processes.
 Usage: python tests/distributed/jobs/fabric_parity.py OUT_DIR [SCENARIO], with the scenario (JSON; else
 OUT_DIR/scenario.json) = {"model": a name in helpers.zoo.ZOO, "layers": n, "devices": 2, "steps": 3,
 "global_batch": 8, "accumulate": 1, "clip": null, "cells": [{"name": ..., "sgdtp": SGDTPFabricStrategy kwargs,
-"accumulate": n, "clip": max_norm, "loop": "call" | "lightning"}], "checks": ["bad_input", ...]}.
+"accumulate": n, "clip": max_norm, "loop": "call" | "lightning", "compile_module": torch.compile kwargs (the model
+compiled before fabric.setup, as a user does)}], "checks": ["bad_input", ...]}.
 Fabric's launcher starts the other ranks by running this script again. Rank 0 writes OUT_DIR/init.pt,
 OUT_DIR/ref.pt, OUT_DIR/<cell>.pt (full parameters after the steps) and OUT_DIR/info.json (per cell: the bytes each
 rank holds, the plan's layout and sync, the errors of the bad-input checks).
@@ -48,6 +49,8 @@ def train(fabric: Fabric, scenario: dict[str, Any], cell: dict[str, Any]) -> tup
     model = ZOO[scenario["model"]].build(scenario.get("layers", 1))
     if cell.get("compile"):  # the noise floor: Fabric "ddp" with the model torch.compile()d (Inductor)
         model = torch.compile(model)
+    if cell.get("compile_module") is not None:  # the user's own compile: sgdtp takes the module and the settings
+        model = torch.compile(model, **cell["compile_module"])
     accumulate = cell.get("accumulate", scenario.get("accumulate", 1))
     clip = cell.get("clip", scenario.get("clip"))
     if cell.get("setup") == "module_first":  # setup_module, then the optimizer from the set-up model
@@ -98,7 +101,7 @@ def bad_input(fabric: Fabric) -> dict[str, str]:
             errors[name] = "NOT REFUSED"
 
     refused("optimizer_before_model", lambda: fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1)))
-    refused("compiled", lambda: fabric.setup(torch.compile(ZOO["mha"].build(1))))
+    refused("compiled", lambda: fabric.setup(torch.compile(ZOO["mha"].build(1)), _reapply_compile=False))
     ddp = torch.nn.Sequential(torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2)))
     refused("ddp_wrapped", lambda: fabric.setup(ddp))
     fabric.setup(model)
@@ -191,6 +194,7 @@ def main(out: Path) -> None:
         result = params(model.module)
         plan = strategy.plan if isinstance(strategy, SGDTPFabricStrategy) else {}
         cell_info = {"held": gathered_held(model, optimizer), "plan": plan}
+        cell_info["compiled_around"] = isinstance(model._forward_module, torch._dynamo.eval_frame.OptimizedModule)
         fabric.strategy.teardown()
         if fabric.global_rank == 0:
             torch.save(result, out / f"{cell['name']}.pt")

@@ -85,7 +85,7 @@ def main(out: Path) -> None:
     plans, logged = [], []
     ckpt = out / "ckpt" / "phase0.ckpt"
     for i, kwargs in enumerate(phases):
-        strategy = SGDTPStrategy(**kwargs)
+        strategy = SGDTPStrategy(**kwargs, plan_file=str(out / f"sgdtp{i}" / "sgdtp_plan.json"))  # no logger: asked for
         steps = trainer_kwargs.pop("max_steps", STEPS) if len(phases) == 1 else STEPS // 2 * (i + 1)
         save = SaveAt(steps, ckpt, out, lambda trainer, module: gather_full(local_state(trainer.strategy, module)))
         callbacks = ([first] if i == 0 else []) + ([save] if i + 1 < len(phases) else [])

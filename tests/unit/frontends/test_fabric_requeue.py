@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import weakref
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -87,8 +88,10 @@ def test_the_agreed_step_saves_the_state_atomically_requeues_and_exits_0(
         strategy.requeue_if_agreed(path, state)
     assert stopped.value.code == 0  # SystemExit(0): the loop ends, the process exits cleanly
     assert scontrol.read_text().split() == ["requeue", "4242"]
-    # written through the strategy's save (fabric.save's): atomically, recorded in the folder's manifest
-    assert sorted(p.name for p in path.parent.iterdir()) == [MANIFEST, "preempted.ckpt"]
+    # written through the strategy's save (fabric.save's): atomically, sealed (its manifest inside: the folder lists
+    # the checkpoint alone), verified by the load below
+    assert sorted(p.name for p in path.parent.iterdir()) == ["preempted.ckpt"]
+    assert any(n.endswith(f"/.sgdtp/{MANIFEST}") for n in zipfile.ZipFile(path).namelist())
     said = caplog.text
     assert "SLURM: on signal 10 the ranks agree on a step" in said  # once, at the first call
     assert f"preempted at step 7: checkpoint saved to {path}; requeueing job 4242; stopping" in said

@@ -2,8 +2,9 @@
 manifest, use a key the keyring does not trust. Each is refused with the file and the failed check named.
 
 GnuPG keys are made in a temporary GNUPGHOME (no passphrase, ed25519, seconds); PEM keys with `cryptography`.
-The `sgdtp sign` / `sgdtp verify` commands: tests/integration/test_cli.py; the strategy's checkpoints, verified
-before unpickling: tests/distributed/test_checkpoints_and_resume.py.
+The `sgdtp sign` / `sgdtp verify` commands: tests/integration/test_cli.py; one-file checkpoints, which keep their
+manifest inside: tests/unit/trust/test_sealed.py; the strategy's checkpoints, verified before unpickling:
+tests/distributed/test_checkpoints_and_resume.py.
 """
 
 from __future__ import annotations
@@ -96,13 +97,3 @@ def test_pem_signature_fallback(tmp_path: Path, kind: str) -> None:
     assert "does not match public key" in _refused(root, other_public, "signature", MANIFEST)
     (root / "plan.json").write_text(json.dumps({"buckets": 4}))
     _refused(root, my_public, "SHA256", "plan.json")
-
-
-def test_a_save_never_fails_on_an_unreadable_manifest(tmp_path: Path) -> None:
-    """The checkpoint writer rebuilds a broken manifest (listing what it writes) instead of failing the save."""
-    from lightning_sgdtp.trust.manifest import record_files
-
-    (tmp_path / MANIFEST).write_text("{not json")
-    (tmp_path / "last.ckpt").write_bytes(b"x" * 10)
-    manifest = record_files(tmp_path, ["last.ckpt"])
-    assert [e["path"] for e in manifest["files"]] == ["last.ckpt"] and manifest["files"][0]["size"] == 10
