@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -21,6 +23,16 @@ def make_gpg_keys(home: Path) -> dict[str, Path | str]:
     keyring = home / "trusted.gpg"
     keyring.write_bytes(gpg(home, "--export", "trusted@sgdtp.test").stdout)
     return {"home": home, "keyring": keyring, "trusted": "trusted@sgdtp.test", "stranger": "stranger@sgdtp.test"}
+
+
+@contextlib.contextmanager
+def gpg_identities(home: Path) -> Iterator[dict[str, Path | str]]:
+    """:func:`make_gpg_keys` for the duration of a fixture; then the gpg-agent that signing started for ``home`` is
+    stopped (left alone, each test session leaves agents running after it)."""
+    try:
+        yield make_gpg_keys(home)
+    finally:
+        subprocess.run(["gpgconf", "--homedir", str(home), "--kill", "gpg-agent"], capture_output=True, check=False)
 
 
 def make_artifact(root: Path) -> Path:

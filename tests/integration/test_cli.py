@@ -10,13 +10,14 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers import DATA as TEST_DATA
 from helpers.launch import REPO, job_env
+from helpers.signing import gpg_identities
 from helpers.signing import make_artifact as _artifact
-from helpers.signing import make_gpg_keys
 
 from lightning_sgdtp.diagnose import CACHE_MARKER
 from lightning_sgdtp.observe import doctor
@@ -155,9 +156,10 @@ def test_cli_plan_refuses_an_impossible_topology_with_exit_code_2_and_plans_a_po
 
 # ------------------------------------------------------------------------------------------------ sign / verify
 @pytest.fixture(scope="module")
-def gpg_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
+def gpg_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path | str]]:
     """Two signing identities in one GNUPGHOME, and a keyring that trusts only the first."""
-    return make_gpg_keys(tmp_path_factory.mktemp("gnupg"))
+    with gpg_identities(tmp_path_factory.mktemp("gnupg")) as keys:
+        yield keys
 
 
 def test_cli_sign_and_verify(tmp_path: Path, gpg_keys: dict) -> None:

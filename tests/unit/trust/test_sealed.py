@@ -12,11 +12,12 @@ import io
 import os
 import struct
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.signing import make_gpg_keys, make_pem_keys
+from helpers.signing import gpg_identities, make_pem_keys
 
 from lightning_sgdtp.cli import main
 from lightning_sgdtp.frontends.trainer import AtomicCheckpointIO
@@ -26,8 +27,9 @@ SEALED = f".sgdtp/{MANIFEST}"  # the seal's manifest record, under the archive's
 
 
 @pytest.fixture(scope="module")
-def gpg_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
-    return make_gpg_keys(tmp_path_factory.mktemp("gnupg"))
+def gpg_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path | str]]:
+    with gpg_identities(tmp_path_factory.mktemp("gnupg")) as keys:
+        yield keys
 
 
 @pytest.fixture

@@ -10,21 +10,23 @@ tests/distributed/test_checkpoints_and_resume.py.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+from helpers.signing import gpg_identities
 from helpers.signing import make_artifact as _artifact
-from helpers.signing import make_gpg_keys
 
 from lightning_sgdtp.trust import MANIFEST, ArtifactVerificationError, sign_dir, verify_dir
 
 
 @pytest.fixture(scope="module")
-def gpg_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
+def gpg_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path | str]]:
     """Two signing identities in one GNUPGHOME, and a keyring that trusts only the first."""
-    return make_gpg_keys(tmp_path_factory.mktemp("gnupg"))
+    with gpg_identities(tmp_path_factory.mktemp("gnupg")) as keys:
+        yield keys
 
 
 def _refused(root: Path, trusted: Path | None, check: str, name: str) -> str:
