@@ -426,7 +426,7 @@ def _fabric_compile_kwargs() -> dict[str, Any] | None:
         if frame.f_code in codes:
             return frame.f_locals.get("compile_kwargs")
         frame = frame.f_back
-    return False
+    return None
 
 
 def _report_uncaught(job: Job) -> None:

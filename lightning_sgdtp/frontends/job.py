@@ -422,13 +422,7 @@ class FrontEnd:
     def num_nodes(self, num_nodes: int) -> None:
         self._job.num_nodes = num_nodes
 
-    @property
-    def _num_nodes(self) -> int:  # the name Fabric's connector sets (Fabric(num_nodes=...)), the Trainer's num_nodes
-        return self._job.num_nodes
-
-    @_num_nodes.setter
-    def _num_nodes(self, num_nodes: int) -> None:
-        self._job.num_nodes = num_nodes
+    _num_nodes = num_nodes  # the name Fabric's connector sets (Fabric(num_nodes=...)), the Trainer's num_nodes
 
     @property
     def num_processes(self) -> int:

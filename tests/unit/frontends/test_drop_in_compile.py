@@ -246,3 +246,11 @@ def test_the_trainer_takes_a_plugin_subclass_and_64_true() -> None:
         " bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true, or a subclass of Lightning's Precision, MixedPrecision,"
         " HalfPrecision, DoublePrecision."
     )
+
+
+def test_outside_fabric_setup_there_is_no_stripped_compile() -> None:
+    """The strategy's module setup called other than from ``Fabric.setup`` finds no wrapper Fabric stripped: None,
+    which ``adopt_compiled`` reads as "nothing to take over" (False was read as the wrapper's arguments)."""
+    from lightning_sgdtp.frontends.fabric import _fabric_compile_kwargs
+
+    assert _fabric_compile_kwargs() is None
