@@ -78,6 +78,13 @@ class SGDTPConfig:
         collective_timeout: Seconds a collective may wait before the job fails (process-group timeout). It also
             bounds how long the job takes to end when a rank dies, raises or hangs (see
             ``docs/slurm-and-faults.md#a-rank-dies-raises-or-hangs``).
+        heartbeat_timeout: Seconds a rank's heartbeat may stay silent before the other ranks take it for frozen or
+            lost (SIGSTOP, a hung driver call, a stalled or vanished node) and every rank ends, naming it, whatever
+            ``collective_timeout`` is. ``False``: off. See ``docs/slurm-and-faults.md#a-rank-is-frozen-or-stuck``.
+        stall_timeout: Seconds a rank may run Python in one phase and step while another rank waits for it in a
+            collective before it is stuck: it prints its stack and the job ends, naming it. Longer than
+            ``heartbeat_timeout``; not while compiling, setting up, loading or saving a checkpoint, or in the first
+            step. ``False``: off.
         shutdown_grace: Seconds a rank has to end on its own after SIGTERM / SIGINT, or after it failed, before it
             is ended (exit code 128 + signal, or 1) even if it is blocked in a collective; its peers are told and
             end too. See ``docs/slurm-and-faults.md``.
@@ -175,6 +182,8 @@ class SGDTPConfig:
     broadcast_buffers: bool = True
     collective_timeout: float = 1800.0
     rendezvous_timeout: float = 300.0
+    heartbeat_timeout: float | bool = 15.0
+    stall_timeout: float | bool = 600.0
     shutdown_grace: float = 10.0
     verify_artifacts: bool = True
     trusted_key: str | None = None
@@ -252,6 +261,7 @@ class SGDTPConfig:
             timeout = getattr(self, name)
             if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
                 raise SGDTPConfigError(f"{name}={timeout!r} must be a positive number of seconds, e.g. 600.")
+        self._check_watch()
 
         if self.trusted_key is not None and not Path(self.trusted_key).is_file():
             raise SGDTPConfigError(
@@ -285,6 +295,26 @@ class SGDTPConfig:
     def planned(self) -> bool:
         """The planner chooses the layout at setup (``parallelism="auto"``)."""
         return self.parallelism == "auto"
+
+    def _check_watch(self) -> None:
+        for name, example in (("heartbeat_timeout", 15), ("stall_timeout", 600)):
+            value = getattr(self, name)
+            off = value is False or value is None
+            if not off and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1):
+                raise SGDTPConfigError(
+                    f"{name}={value!r} must be a number of seconds >= 1, e.g. {example}, or False (off)."
+                )
+        beat, stall = self.watch_timeouts
+        if beat is not None and stall is not None and stall <= beat:
+            raise SGDTPConfigError(
+                f"stall_timeout={stall!r} must be longer than heartbeat_timeout={beat!r}: a stuck rank still beats,"
+                f" a frozen one is named first. Use e.g. stall_timeout={max(600, 4 * beat):g}."
+            )
+
+    @property
+    def watch_timeouts(self) -> tuple[float | None, float | None]:
+        """(heartbeat_timeout, stall_timeout) in seconds, ``None`` where off."""
+        return (self.heartbeat_timeout or None, self.stall_timeout or None)  # type: ignore[return-value]
 
     def _check_auto(self) -> None:
         if self.max_memory_per_rank is None:

@@ -109,7 +109,7 @@ class Job:
         self.settings = model_settings.TrainingSettings()
         self.steps = 0  # optimizer steps taken
         self._step = step
-        self.guard = FaultGuard(self.config.collective_timeout, step=self.step)
+        self.guard = FaultGuard(self.config.collective_timeout, self.step, *self.config.watch_timeouts)
         self.watchdog: ShutdownWatchdog | None = None
         self.preemption: PreemptionCoordinator | None = None
         self._requeue_said = False

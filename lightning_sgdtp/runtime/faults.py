@@ -11,7 +11,11 @@ the job's own c10d ``TCPStore`` (the rendezvous store):
   ranks that *failed* (reported an error), were *lost* (no heartbeat and no report: killed, out of memory, node
   down) or are *stuck* (alive, but not in the collective);
 - a rank whose peers have reported a failure ends itself after a grace period, as NCCL's watchdog does, so
-  that no process of a dead job is left behind.
+  that no process of a dead job is left behind;
+- while the job runs, the heartbeat thread also watches: a peer silent for ``heartbeat_timeout`` s is frozen or lost
+  (every rank ends, naming it), and a rank whose main thread runs Python without leaving its phase for
+  ``stall_timeout`` s while a peer waits is stuck (it prints its stack and ends; the others end naming it). What it
+  sees and how it judges: :mod:`lightning_sgdtp.runtime.watch`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_sgdtp.runtime.process_bound import ProcessBound
+from lightning_sgdtp.runtime.watch import MainThread, PeerWatch, kill_if_frozen, patience, watched
 
 log = logging.getLogger("lightning.pytorch.sgdtp")
 
@@ -42,10 +47,23 @@ _STORE_ERRORS = (RuntimeError, OSError, ValueError)
 
 #: Seconds a rank whose peer reported a failure waits to fail on its own before its watchdog ends it.
 FAILURE_GRACE = 5.0
+#: Defaults of the options: seconds of heartbeat silence before a peer is frozen or lost; seconds a rank may run
+#: Python in one phase and step while a peer waits before it is stuck.
+HEARTBEAT_TIMEOUT = 15.0
+STALL_TIMEOUT = 600.0
+
+
+def end_process(code: int) -> None:
+    """End this process now, from any thread (``os._exit``: the main thread may be blocked in C)."""
+    os._exit(code)
 
 
 class RankLostError(RuntimeError):
     """Another rank of the job failed, was lost or is stuck; this rank stops too. The message names it."""
+
+
+class RankStuckError(RuntimeError):
+    """This rank ran Python in one phase and step for ``stall_timeout`` s while a peer waited for it."""
 
 
 @dataclass(frozen=True)
@@ -84,18 +102,31 @@ class Liveness(ProcessBound):
     """Heartbeats, failure reports and the watchdog for one rank. See the module docstring."""
 
     def __init__(
-        self, host: str, port: int, rank: int, world_size: int, job_key: str, collective_timeout: float
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        job_key: str,
+        collective_timeout: float,
+        heartbeat_timeout: float | None = HEARTBEAT_TIMEOUT,
+        stall_timeout: float | None = STALL_TIMEOUT,
     ) -> None:
         self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
         self.prefix = f"sgdtp/liveness/{job_key}"
         self.collective_timeout = collective_timeout
-        self.interval = max(0.2, min(1.0, collective_timeout / 4))
+        self.heartbeat_timeout, self.stall_timeout = heartbeat_timeout, stall_timeout
+        self.interval = max(0.2, min(1.0, collective_timeout / 4, (heartbeat_timeout or 5.0) / 5))
         self.store_timeout = max(2.0, 2 * self.interval)  # what one store operation may wait
         # A rank whose peers reported a failure has this long to fail on its own (with its own, better, message);
         # then its watchdog ends it. Seconds, not collective_timeout: the job has failed, waiting buys nothing.
         self.grace = min(collective_timeout, FAILURE_GRACE) + 2 * self.interval
         self.phase = "in setup"
         self.step = -1
+        self.settled = False  # the first optimizer step of this process is done (FaultGuard)
+        self.main = MainThread()
+        self.watch = PeerWatch(sorted({0, *watched(rank, world_size)} - {rank}), heartbeat_timeout)
+        self._said_patient: tuple[str, int] | None = None
         self._seq = 0
         self._reported = False
         self._stop = threading.Event()
@@ -110,13 +141,27 @@ class Liveness(ProcessBound):
     def _key(self, what: str, rank: int | None = None) -> str:
         return f"{self.prefix}/{what}" + (f"/{rank}" if rank is not None else "")
 
-    def _beat(self, store: dist.TCPStore) -> None:
+    def _beat(self, store: dist.TCPStore, done: bool = False) -> None:
         self._seq += 1
-        value = {**self._me, "seq": self._seq, "phase": self.phase, "step": self.step}
+        now = time.monotonic()
+        value = {**self._me, "seq": self._seq, "phase": self.phase, "step": self.step, "done": done}
+        value["blocked"] = round(self.main.blocked(now), 1)
         store.set(self._key("beat", self.rank), json.dumps(value))
+
+    def _read_beats(self, store: dist.TCPStore) -> dict[int, dict[str, Any] | None]:
+        """The watched peers' last beats (one ``multi_get`` once every peer has beaten)."""
+        ranks = self.watch.peers
+        keys = [self._key("beat", r) for r in ranks]
+        if not store.check(keys):
+            present = [(r, k) for r, k in zip(ranks, keys) if store.check([k])]
+            values = dict(zip([r for r, _ in present], store.multi_get([k for _, k in present]) if present else []))
+        else:
+            values = dict(zip(ranks, store.multi_get(keys)))
+        return {r: (json.loads(values[r]) if r in values else None) for r in ranks}
 
     # ------------------------------------------------------------------------------------------ thread
     def start(self) -> None:
+        self.main = MainThread(ident=threading.get_ident())  # the thread that trains
         store = self._client()
         self._beat(store)
         self._thread = threading.Thread(target=self._run, args=(store,), name="sgdtp-liveness", daemon=True)
@@ -126,22 +171,112 @@ class Liveness(ProcessBound):
         failed_since: float | None = None
         failures = 0
         last_beat, published = time.monotonic(), (self.phase, self.step)
+        store_ok = time.monotonic()
         while not self._stop.wait(self.interval / 4):
-            # Beat every interval, and as soon as the main thread enters a new phase: peers then see where we are.
             now = time.monotonic()
+            self.main.sample((self.phase, self.step), now)
+            # Beat every interval, and as soon as the main thread enters a new phase: peers then see where we are.
             if now - last_beat < self.interval and (self.phase, self.step) == published:
                 continue
             last_beat, published = now, (self.phase, self.step)
             try:
                 self._beat(store)
                 failures = int(store.add(self._key("failures"), 0))
+                self.watch.update(self._read_beats(store), time.monotonic())
+                store_ok = time.monotonic()
             except _STORE_ERRORS as exc:  # the store is gone: after a failure, the grace period still runs
                 log.debug(f"sgdtp: heartbeat of rank {self.rank} failed: {exc}")
-            if failures == 0 or self._reported:
+            if self._reported or self._stop.is_set():
+                continue
+            self._judge(store, time.monotonic(), store_ok, stall=failures == 0)
+            if failures == 0:
                 continue
             failed_since = failed_since or time.monotonic()
             if time.monotonic() - failed_since > self.grace:
                 self._end_stuck_rank(store)
+
+    # ---------------------------------------------------------------------------------------------- judge
+    def _judge(self, store: dist.TCPStore, now: float, store_ok: float, stall: bool) -> None:
+        """The two verdicts of :mod:`~lightning_sgdtp.runtime.watch`: a silent peer (or a silent store) ends this
+        rank naming it; while no failure is known (``stall``), this rank stuck ends it with its stack."""
+        silent = [s for s in self.watch.silent(now) if not self._has_reported(store, s[0])]
+        store_quiet = now - store_ok
+        if not silent and self.heartbeat_timeout is not None and store_quiet >= self.heartbeat_timeout:
+            last = self.watch.seen.get(0)
+            if not (last and last.beat.get("done")):
+                silent = [(0, store_quiet, {**(last.beat if last else {}), "store": True})]
+        if silent:
+            self._end_for_silence(store, silent)
+        if not stall or self.stall_timeout is None or self.main.idle(now) < self.stall_timeout:
+            return
+        if not self.main.running(now, self.interval):
+            return
+        waiting = [(r, b) for r, b in self.watch.waiting(self.stall_timeout) if r != self.rank]
+        if not waiting:
+            return
+        reason = patience(self.phase, self.main.files(), self.settled)
+        if reason is None:
+            self._end_as_stuck(store, now, waiting)
+        elif self._said_patient != (self.phase, self.step):
+            self._said_patient = (self.phase, self.step)
+            message = (
+                f"sgdtp: rank {self.rank} has been {reason} for {self.main.idle(now):.0f} s ({self.phase} at step"
+                f" {self.step}) while {_ranks(waiting)} wait{'s' if len(waiting) == 1 else ''} for it: not stuck,"
+                f" stall_timeout={self.stall_timeout:g} s does not apply while {reason}."
+            )
+            print(message, file=sys.stderr, flush=True)
+            log.warning(message)
+
+    def _has_reported(self, store: dist.TCPStore, rank: int) -> bool:
+        """``rank`` reported a failure (then silence is its exit, not a freeze)."""
+        try:
+            return bool(store.check([self._key("failed", rank)]))
+        except _STORE_ERRORS:
+            return False
+
+    def _end_for_silence(self, store: dist.TCPStore, silent: list[tuple[int, float, dict[str, Any]]]) -> None:
+        parts = []
+        for rank, quiet, beat in silent:
+            where = PeerState(rank, phase=beat.get("phase", "starting"), step=beat.get("step", -1)).where()
+            who = f"rank {rank} (host {beat.get('host', '?')}, pid {beat.get('pid', -1)})"
+            what = "the rendezvous store it hosts does not answer" if beat.get("store") else "no heartbeat"
+            parts.append(
+                f"{who} is frozen or lost: {what} for {quiet:.0f} s (heartbeat_timeout={self.heartbeat_timeout:g} s),"
+                f" last seen {where}"
+            )
+            failure = {**beat, "failure": f"frozen or lost: {what} for {quiet:.0f} s", "primary": True}
+            with contextlib.suppress(*_STORE_ERRORS):
+                store.set(self._key("failed", rank), json.dumps({**failure, "phase": beat.get("phase", "starting")}))
+                store.add(self._key("failures"), 1)
+            if kill_if_frozen(int(beat.get("pid", -1)), str(beat.get("host", ""))):
+                parts[-1] += " (SIGKILLed: it ran on this host, stopped)"
+        message = (
+            f"sgdtp: {'; '.join(parts)}. Rank {self.rank} was {self.phase} at step {self.step} and stops too"
+            " (exit code 1). A frozen process (SIGSTOP, a hung driver call, a stalled node) or a lost one (a node"
+            " gone) never fails a collective by itself; resume from the last checkpoint (ckpt_path='last')."
+        )
+        self._leave(store, RankLostError(message), message)
+
+    def _end_as_stuck(self, store: dist.TCPStore, now: float, waiting: list[tuple[int, dict[str, Any]]]) -> None:
+        idle = self.main.idle(now)
+        where = f"{self.phase} at step {self.step}" if self.step >= 0 else self.phase
+        message = (
+            f"sgdtp: rank {self.rank} (host {self._me['host']}, pid {self._me['pid']}) is stuck {where}: its main"
+            f" thread has run Python for {idle:.0f} s without leaving it while {_ranks(waiting)} waited in a"
+            f" collective (stall_timeout={self.stall_timeout:g} s). Its main thread's stack, most recent call"
+            f" last:\n{self.main.stack()}This rank ends (exit code 1) and the others end naming it. If the work is"
+            " expected (a long evaluation on one rank), raise stall_timeout, or set it to None."
+        )
+        self._leave(
+            store, RankStuckError(f"stuck {where} for {idle:.0f} s (stall_timeout={self.stall_timeout:g} s)"), message
+        )
+
+    def _leave(self, store: dist.TCPStore, error: BaseException, message: str) -> None:
+        """Print the verdict, report it, keep the store up for the peers (rank 0), end the process."""
+        print(message, file=sys.stderr, flush=True)
+        log.error(message)
+        self.report(error, primary=isinstance(error, RankStuckError))
+        end_process(1)
 
     def _end_stuck_rank(self, store: dist.TCPStore) -> None:
         try:
@@ -151,12 +286,12 @@ class Liveness(ProcessBound):
         blamed = "; ".join(_describe(p) for p in peers.values() if p.failure) or "another rank failed"
         message = (
             f"sgdtp: rank {self.rank} is ending itself: the job has failed ({blamed}) and this rank has not"
-            f" reached a collective for {self.grace:.0f} s (it is {self.phase} at step {self.step})."
+            f" failed with it for {self.grace:.0f} s (it is {self.phase} at step {self.step})."
             " Exit code 1, so that the launcher sees the failure and no process is left behind."
         )
         print(message, file=sys.stderr, flush=True)
         log.error(message)
-        os._exit(1)
+        end_process(1)
 
     # ------------------------------------------------------------------------------------------ report
     @property
@@ -206,7 +341,9 @@ class Liveness(ProcessBound):
         self._stop.set()
         if not self._reported:
             try:
-                self._client().set(self._key("done", self.rank), json.dumps({**self._me, "done": True}))
+                store = self._client()
+                self._beat(store, done=True)
+                store.set(self._key("done", self.rank), json.dumps({**self._me, "done": True}))
             except _STORE_ERRORS as error:
                 log.debug(f"sgdtp: rank {self.rank} could not report its clean exit: {error}")
         if self._thread is not None:
@@ -287,6 +424,11 @@ class Liveness(ProcessBound):
         )
 
 
+def _ranks(peers: list[tuple[int, dict[str, Any]]]) -> str:
+    named = [f"rank {r} (in {b.get('phase', '?').removeprefix('in ')} at step {b.get('step', -1)})" for r, b in peers]
+    return ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+
+
 def _describe(p: PeerState) -> str:
     verb = "failed" if p.primary else "stopped"
     return f"{p.who()} {verb} {p.where()}: {p.failure}"
@@ -303,8 +445,15 @@ class FaultGuard:
 
     ``step`` tells the heartbeat which optimizer step the rank is in (Lightning's ``global_step``)."""
 
-    def __init__(self, collective_timeout: float, step: Callable[[], int] = lambda: -1) -> None:
+    def __init__(
+        self,
+        collective_timeout: float,
+        step: Callable[[], int] = lambda: -1,
+        heartbeat_timeout: float | None = HEARTBEAT_TIMEOUT,
+        stall_timeout: float | None = STALL_TIMEOUT,
+    ) -> None:
         self.collective_timeout = collective_timeout
+        self.heartbeat_timeout, self.stall_timeout = heartbeat_timeout, stall_timeout
         self.step = step
         self.liveness: Liveness | None = None
 
@@ -320,7 +469,9 @@ class FaultGuard:
             return
         key = [uuid.uuid4().hex]
         dist.broadcast_object_list(key, src=0)
-        self.liveness = Liveness(host, port, rank, world_size, key[0], self.collective_timeout)
+        self.liveness = Liveness(
+            host, port, rank, world_size, key[0], self.collective_timeout, self.heartbeat_timeout, self.stall_timeout
+        )
         self.liveness.start()
 
     @contextlib.contextmanager
@@ -342,6 +493,7 @@ class FaultGuard:
             live.report(lost, primary=False)
             raise lost from exc
         live.phase = f"after {phase}"
+        live.settled = live.settled or phase == "optimizer_step"
 
     def report(self, exc: BaseException) -> None:
         """Tell the peers this rank failed (they end within seconds, naming it)."""

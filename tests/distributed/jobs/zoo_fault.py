@@ -3,7 +3,8 @@ sends a signal). The default ``collective_timeout`` (1800 s) is kept: the job mu
 
 Usage: python tests/distributed/jobs/zoo_fault.py OUT_DIR [SCENARIO], the scenario (JSON; else
 OUT_DIR/scenario.json) = {"model": zoo name, "devices": N, "sgdtp": SGDTPStrategy kwargs, "fail_rank": r,
-"fail_step": s, "where": "training_step" | "backward" | "callback" | "checkpoint" | "hang", "front": "fabric" for a
+"fail_step": s, "where": "training_step" | "backward" | "callback" | "checkpoint" | "hang" | "freeze" (SIGSTOP
+itself in training_step, as a hung driver call or a stalled node looks from outside), "front": "fabric" for a
 Fabric loop} (no ``fail_rank``: nothing is
 injected; the run is long enough for a signal to arrive mid-step). Every rank writes ``OUT/step-<rank>`` (its pid)
 when it starts step 1, so the test knows the job is training; the failing rank writes ``OUT/struck`` (the time)
@@ -13,6 +14,7 @@ right before it raises.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -45,6 +47,8 @@ class Failing(ZooModule):
             return
         if self.where == "hang" and where == "training_step":  # outside any collective, until a signal ends it
             time.sleep(3600)
+        if self.where == "freeze" and where == "training_step":
+            freeze(self.out)
         if self.where == where:
             (self.out / "struck").write_text(repr(time.time()))
             raise InjectedFailure(f"injected failure in {where} on rank {self.global_rank} at step {self.global_step}")
@@ -58,6 +62,12 @@ class Failing(ZooModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._strike("checkpoint")
+
+
+def freeze(out: Path) -> None:
+    """Stop this whole process (every thread: the heartbeat too), as a hung driver call or a frozen node does."""
+    (out / "struck").write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class Marks(L.Callback):
@@ -98,6 +108,8 @@ def fabric_loop(out: Path, scenario: dict[str, Any], fail: tuple[int, int] | Non
             if step == 1:
                 (out / f"step-{fabric.global_rank}").write_text(str(os.getpid()))
             logits = model(x)
+            if fail == (fabric.global_rank, step) and scenario.get("where") == "freeze":
+                freeze(out)
             if fail == (fabric.global_rank, step):
                 (out / "struck").write_text(repr(time.time()))
                 raise InjectedFailure(f"injected failure in the loop on rank {fabric.global_rank} at step {step}")
