@@ -172,9 +172,13 @@ class Liveness(ProcessBound):
         failures = 0
         last_beat, published = time.monotonic(), (self.phase, self.step)
         store_ok = time.monotonic()
-        while not self._stop.wait(self.interval / 4):
+        while True:
+            asked = time.monotonic()
+            if self._stop.wait(self.interval / 4):
+                break
             now = time.monotonic()
-            self.main.sample((self.phase, self.step), now)
+            # Sampled each wake: a late wake-up is the GIL held by a running main thread (watch.MainThread).
+            self.main.sample((self.phase, self.step), now, late=now - asked - self.interval / 4)
             # Beat every interval, and as soon as the main thread enters a new phase: peers then see where we are.
             if now - last_beat < self.interval and (self.phase, self.step) == published:
                 continue
@@ -209,7 +213,7 @@ class Liveness(ProcessBound):
             self._end_for_silence(store, silent)
         if not stall or self.stall_timeout is None or self.main.idle(now) < self.stall_timeout:
             return
-        if not self.main.running(now, self.interval):
+        if not self.main.running():
             return
         waiting = [(r, b) for r, b in self.watch.waiting(self.stall_timeout) if r != self.rank]
         if not waiting:

@@ -71,37 +71,56 @@ def patience(phase: str, stack: Iterable[str], settled: bool) -> str | None:
 
 @dataclass
 class MainThread:
-    """Samples the main thread from the heartbeat thread: does it run Python (its frame moves), since when has its
-    position (phase, step) not changed, may it take long (:func:`patience`)."""
+    """Samples the main thread from the heartbeat thread: does it run Python, since when has its position (phase,
+    step) not changed, may it take long (:func:`patience`).
+
+    Running Python is two measurements at once, each cheap: the thread's CPU clock advances (``pthread_getcpuclockid``)
+    and it holds the GIL (the heartbeat thread's own wake-up is late by about the interpreter's switch interval,
+    ``sys.getswitchinterval()``, when it must take the GIL from a running thread). A rank waiting in a collective
+    fails one of them: blocked, no CPU; spinning in a CUDA synchronization, the GIL released. (Which Python line
+    it is at is no sign: another thread samples it only where the interpreter hands over the GIL, the same place
+    each time.)"""
 
     ident: int = field(default_factory=lambda: threading.main_thread().ident or 0)
     position: tuple[str, int] = ("", -1)
     position_since: float = field(default_factory=time.monotonic)
     moved_at: float = field(default_factory=time.monotonic)
-    _frame_key: Any = None
+    _cpu: float | None = None
+    _wall: float | None = None
+    _recent: list[bool] = field(default_factory=list)
 
     def frame(self) -> Any:
         return sys._current_frames().get(self.ident)
 
-    def sample(self, position: tuple[str, int], now: float) -> None:
+    def _cpu_time(self) -> float | None:
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self.ident))
+        except (OSError, AttributeError, OverflowError):  # not on this platform, or the thread is gone
+            return None
+
+    def sample(self, position: tuple[str, int], now: float, late: float) -> None:
+        """``late``: how much later than asked the heartbeat thread woke up (seconds)."""
         if position != self.position:
             self.position, self.position_since, self.moved_at = position, now, now
-        frame = self.frame()
-        key = None if frame is None else (id(frame), frame.f_code, frame.f_lasti, frame.f_lineno)
-        if key != self._frame_key:
-            self._frame_key, self.moved_at = key, now
+        cpu = self._cpu_time()
+        if cpu is not None and self._cpu is not None and self._wall is not None and now > self._wall:
+            busy = (cpu - self._cpu) / (now - self._wall) >= 0.5
+            self._recent = [*self._recent[-3:], busy and late >= 0.5 * sys.getswitchinterval()]
+        self._cpu, self._wall = cpu, now
+        if sum(self._recent) >= 2:
+            self.moved_at = now
 
     def idle(self, now: float) -> float:
         """Seconds in the same phase and step."""
         return now - self.position_since
 
     def blocked(self, now: float) -> float:
-        """Seconds in the same phase and step with the frame not moving (a C call: a collective, a sleep)."""
+        """Seconds in the same phase and step without running Python (a C call: a collective, a sleep)."""
         return now - max(self.position_since, self.moved_at)
 
-    def running(self, now: float, interval: float) -> bool:
-        """The frame moved within the last beat: the main thread runs Python."""
-        return now - self.moved_at <= interval
+    def running(self) -> bool:
+        """The main thread ran Python in most of the last samples."""
+        return sum(self._recent) >= 3
 
     def files(self) -> list[str]:
         frame, names = self.frame(), []

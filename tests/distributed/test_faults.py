@@ -1,9 +1,12 @@
-"""A rank that dies, raises or hangs ends the job within a bounded time, with an error naming it.
+"""A rank that dies, raises, hangs or is stuck ends the job within a bounded time, with an error naming it.
 
 Three ranks, each its own process as on a cluster (NODE_RANK=0..2, devices=1, num_nodes=3), train with
 collective_timeout=5 s. When all three reach step 3, rank 1 is SIGKILLed (``kill``), raises (``raise``) or
-sleeps for an hour outside any collective (``hang``). Every process must exit non-zero within the bound, the
-survivors must name rank 1, and no process of the job may be left behind.
+sleeps for an hour outside any collective (``hang``: collective_timeout ends it). ``stuck`` (issue 47):
+collective_timeout=120 s, stall_timeout=4 s; rank 1 first compiles for 8 s running Python (not stuck: it says it is
+compiling), then loops forever in its step-3 training_step: it names itself stuck with its stack, within the stall
+bound. Every process must exit non-zero within the bound, the survivors must name rank 1, and no process of the job
+may be left behind. A frozen rank (SIGSTOP): ``test_no_hang.py``.
 """
 
 from __future__ import annotations
@@ -18,24 +21,31 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.launch import JOBS, REPO, finish, free_port, group_alive, job_env, start
+from helpers.launch import JOBS, REPO, finish, free_port, group_alive, job_env, start, tiered
 
 TIMEOUT = 5.0  # collective_timeout given to the job
+STALL = 4.0  # stall_timeout given to the stuck job
 # kill/raise: the failure is seen at once, plus the diagnosis (~2.5 s) and Python's exit.
 # hang: the survivors wait collective_timeout, then the stuck rank ends itself after its grace period.
-BOUND = {"kill": 15.0, "raise": 15.0, "hang": 3 * TIMEOUT + 20.0}
+# stuck: the stall bound from the loop's start, a beat, the verdict, then the survivors' diagnosis.
+BOUND = {"kill": 15.0, "raise": 15.0, "hang": 3 * TIMEOUT + 20.0, "stuck": STALL + 15.0}
 EXPECT = {
     "kill": "rank 1 (host {host}, pid {pid}) was lost",
     "raise": "rank 1 (host {host}, pid {pid}) failed",
     "hang": "rank 1 (host {host}, pid {pid}) is alive but did not join the collective",
+    "stuck": "rank 1 (host {host}, pid {pid}) failed in training_step at step 3: RankStuckError: stuck in training_step",
 }
 
 
-@pytest.mark.parametrize("mode", ["kill", "raise", "hang"])
+# kill: a killed rank in the default run is test_a_killed_child_of_lightnings_own_launch_ends_the_job; hang (the
+# collective_timeout diagnosis): tests/unit/runtime/test_watch.py's negative controls keep the watch from claiming it.
+@pytest.mark.parametrize("mode", tiered(["kill", "raise", "hang", "stuck"], slow={"kill", "hang"}))
 def test_a_lost_rank_ends_the_job_in_bounded_time(tmp_path: Path, mode: str) -> None:
     port = str(free_port())
     cmd = [sys.executable, str(JOBS / "faults.py"), mode, "1", str(tmp_path)]
     env = {"MASTER_PORT": port, "SGDTP_TEST_TIMEOUT": str(TIMEOUT), "SGDTP_TEST_WORLD": "3"}
+    if mode == "stuck":  # collective_timeout must not be what ends it
+        env.update(SGDTP_TEST_TIMEOUT="120", SGDTP_TEST_STALL=str(STALL))
     procs = [start(cmd, env=job_env(NODE_RANK=str(rank), **env)) for rank in range(3)]
     try:
         deadline = time.monotonic() + 300
@@ -59,6 +69,9 @@ def test_a_lost_rank_ends_the_job_in_bounded_time(tmp_path: Path, mode: str) -> 
     finally:
         outputs = [finish(p, 10)[0] for p in procs]
     tails = "\n".join(f"--- rank {r} (rc={p.returncode}):\n{o[-2500:]}" for r, (p, o) in enumerate(zip(procs, outputs)))
+    if os.environ.get("SGDTP_TEST_SHOW"):
+        print(tails)
+    print(f"{mode}: strike -> every rank ended in {max(ended.values(), default=-1):.1f} s: {ended}")
     assert sorted(ended) == [0, 1, 2], f"ranks {sorted(set(range(3)) - set(ended))} did not end:\n{tails}"
     assert all(p.returncode != 0 for p in procs), tails
     assert max(ended.values()) <= BOUND[mode], f"ended after {ended} s, bound {BOUND[mode]} s:\n{tails}"
@@ -68,6 +81,10 @@ def test_a_lost_rank_ends_the_job_in_bounded_time(tmp_path: Path, mode: str) -> 
         assert "RankLostError" in outputs[rank] and expected in outputs[rank], tails
     if mode == "hang":
         assert "rank 1 is ending itself: the job has failed" in outputs[1], tails
+    if mode == "stuck":  # named by itself, with its stack; its long compile was reported, not ended
+        assert "rank 1 has been compiling for" in outputs[1] and "not stuck, stall_timeout=4 s" in outputs[1], tails
+        assert "is stuck in training_step at step 3: its main thread has run Python for" in outputs[1], tails
+        assert "in training_step\n" in outputs[1] and "in spin\n" in outputs[1], tails
     assert not left, f"processes of ranks {left} were left behind"
 
 
