@@ -49,7 +49,12 @@ def _run_until(
     of the failure or signal. Then wait (at most ``limit`` s) for the whole job to end. Returns (seconds to the end,
     exit code, output). ``left``: processes may still run then (a negative control); they are killed."""
     (tmp_path / "scenario.json").write_text(json.dumps({"model": "llama", **scenario}))
-    proc = start([sys.executable, str(JOBS / "zoo_fault.py"), str(tmp_path)], env=job_env())
+    cmd, env = [sys.executable, str(JOBS / "zoo_fault.py"), str(tmp_path)], job_env()
+    if scenario.get("launcher") == "torchrun":  # torchrun's agent starts the ranks and hosts the store
+        port, _ = env.pop("MASTER_PORT"), env.pop("MASTER_ADDR")
+        run = ["-m", "torch.distributed.run", f"--nproc-per-node={scenario['devices']}", "--rdzv-backend=c10d"]
+        cmd = [sys.executable, *run, f"--rdzv-endpoint=127.0.0.1:{port}", *cmd[1:]]
+    proc = start(cmd, env=env)
     try:
         deadline = time.monotonic() + STARTUP
         while not all((tmp_path / f"step-{r}").exists() for r in range(scenario["devices"])):
@@ -70,9 +75,12 @@ def _run_until(
     return ended, proc.returncode, out
 
 
-# The default run keeps data and pipeline; hybrid and pipeline x data (4 ranks, the same guard over a 2-D mesh) and
-# Fabric (the same guard, reached through the strategy's excepthook: tests/unit/frontends/test_fabric_faults.py) are slow.
-@pytest.mark.parametrize("mode", tiered(list(MODES), slow={"hybrid", "pipeline_x_data", "fabric", "fabric_rank0"}))
+# The default run keeps pipeline; data (a raise in data mode: test_faults.py `raise`, 3 ranks), hybrid and pipeline x
+# data (4 ranks, the same guard over a 2-D mesh) and Fabric (the same guard, reached through the strategy's
+# excepthook: tests/unit/frontends/test_fabric_faults.py) are slow.
+@pytest.mark.parametrize(
+    "mode", tiered(list(MODES), slow={"data", "hybrid", "pipeline_x_data", "fabric", "fabric_rank0"})
+)
 def test_a_failure_on_one_rank_ends_the_job(tmp_path: Path, mode: str) -> None:
     """Rank 1 raises in its step-2 ``training_step`` (in a pipeline: inside the schedule, on the last stage, while
     rank 0 waits in a send/recv); the job writes the moment to ``OUT/struck``."""
@@ -106,12 +114,13 @@ FROZEN: dict[str, dict[str, Any]] = {
     "tensor": {"devices": 2, "sgdtp": {"parallelism": "tensor"}, "model": "mha"},
     "pipeline": MODES["pipeline"],
     "fabric": MODES["fabric"],
+    "torchrun": {**MODES["data"], "launcher": "torchrun"},
     "data_off": {**MODES["data"], "sgdtp": {"heartbeat_timeout": False}},
 }
 FROZEN_BOUND = 30.0  # seconds from the freeze to the last process of the job gone
 
 
-@pytest.mark.parametrize("mode", tiered(list(FROZEN), slow={"fabric", "data_off"}))
+@pytest.mark.parametrize("mode", tiered(list(FROZEN), slow={"fabric", "torchrun", "data_off"}))
 def test_a_frozen_rank_ends_the_job_naming_it(tmp_path: Path, mode: str) -> None:
     """Rank 1 stops itself (SIGSTOP) in its step-2 training step; rank 0 then waits in a collective for it."""
     scenario = {"fail_rank": 1, "fail_step": 2, "where": "freeze", **FROZEN[mode]}

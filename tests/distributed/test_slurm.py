@@ -9,9 +9,11 @@ the topology line and the preemption are only in the log so far (TEST_CHANGES.md
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -244,3 +246,59 @@ def test_pipeline_over_two_nodes_puts_one_stage_on_each_node(tmp_path: Path) -> 
     # pipelines run across nodes: stage s's ranks are all on node s (2 ranks per node)
     per_node = plan["world_size"] // plan["num_nodes"]
     assert [{rank // per_node for rank in stage} for stage in plan["mesh_layout"]] == [{0}, {1}]
+
+
+def _tasks_of(root: Path) -> dict[int, list[int]]:
+    """The pids of the job's Python ranks (their command line names ``root``), by SLURM node id."""
+    nodes: dict[int, list[int]] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if str(root).encode() not in (proc / "cmdline").read_bytes():
+                continue
+            environ = dict(
+                item.split("=", 1) for item in (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+                if "=" in item
+            )  # fmt: skip
+        except OSError:
+            continue
+        if "SLURM_NODEID" in environ and "SLURM_PROCID" in environ:
+            nodes.setdefault(int(environ["SLURM_NODEID"]), []).append(int(proc.name))
+    return nodes
+
+
+@pytest.mark.slow  # 4 ranks for about a minute; the heartbeat's verdict in the default run: test_no_hang.py (frozen)
+def test_a_frozen_node_ends_the_two_node_job_in_seconds(tmp_path: Path) -> None:
+    """srun -N2 --ntasks-per-node=2; once it trains, both ranks of node 1 are stopped (SIGSTOP), as a stalled node.
+    With the default heartbeat_timeout (15 s) and collective_timeout (1800 s), the job ends within 30 s, the ranks
+    of node 0 naming a frozen rank, and no rank is left behind."""
+    root = tmp_path / "run"
+    cmd = ["srun", "-N2", "--ntasks-per-node=2", "-J", "sgdtp-test", "--kill-on-bad-exit=1", sys.executable, EXAMPLE]
+    cmd += [*ARGS, "--max_steps", "100000", "--devices", "2", "--num_nodes", "2", "--default_root_dir", str(root)]
+    log = tmp_path / "job.out"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    try:
+        _wait(lambda: "bytes communicated" in log.read_text() or proc.poll() is not None, 300, "training", log)
+        frozen = _tasks_of(root).get(1, [])
+        assert len(frozen) == 2, f"node 1's ranks: {frozen}\n{log.read_text()[-3000:]}"
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        struck = time.monotonic()
+        while proc.poll() is None and time.monotonic() - struck < 90:
+            time.sleep(0.2)
+        ended = time.monotonic() - struck
+        time.sleep(1.0)
+        left = _tasks_of(root)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for pids in _tasks_of(root).values():
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+    text = log.read_text()
+    print(f"frozen node: freeze -> srun ended in {ended:.1f} s (rc={proc.returncode})")
+    assert proc.returncode != 0 and ended <= 30, f"ended after {ended:.0f} s (rc={proc.returncode}):\n{text[-4000:]}"
+    assert re.search(r"rank [23] \(host \S+, pid \d+\) is frozen or lost: no heartbeat for 1\d s", text), text[-4000:]
+    assert not left, f"ranks left behind: {left}"
