@@ -232,9 +232,11 @@ class Liveness(ProcessBound):
             log.warning(message)
 
     def _has_reported(self, store: dist.TCPStore, rank: int) -> bool:
-        """``rank`` reported a failure (then silence is its exit, not a freeze)."""
+        """``rank`` reported a failure itself (then silence is its exit, not a freeze); a verdict another rank wrote
+        for it (``by``) does not count: this rank sees the silence too and ends at once."""
         try:
-            return bool(store.check([self._key("failed", rank)]))
+            key = self._key("failed", rank)
+            return bool(store.check([key])) and "by" not in json.loads(store.get(key))
         except _STORE_ERRORS:
             return False
 
@@ -248,7 +250,7 @@ class Liveness(ProcessBound):
                 f"{who} is frozen or lost: {what} for {quiet:.0f} s (heartbeat_timeout={self.heartbeat_timeout:g} s),"
                 f" last seen {where}"
             )
-            failure = {**beat, "failure": f"frozen or lost: {what} for {quiet:.0f} s", "primary": True}
+            failure = {**beat, "failure": f"frozen or lost: {what} for {quiet:.0f} s", "primary": True, "by": self.rank}
             with contextlib.suppress(*_STORE_ERRORS):
                 store.set(self._key("failed", rank), json.dumps({**failure, "phase": beat.get("phase", "starting")}))
                 store.add(self._key("failures"), 1)
