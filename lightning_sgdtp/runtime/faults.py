@@ -47,10 +47,6 @@ _STORE_ERRORS = (RuntimeError, OSError, ValueError)
 
 #: Seconds a rank whose peer reported a failure waits to fail on its own before its watchdog ends it.
 FAILURE_GRACE = 5.0
-#: Defaults of the options: seconds of heartbeat silence before a peer is frozen or lost; seconds a rank may run
-#: Python in one phase and step while a peer waits before it is stuck.
-HEARTBEAT_TIMEOUT = 15.0
-STALL_TIMEOUT = 600.0
 
 
 def end_process(code: int) -> None:
@@ -109,8 +105,8 @@ class Liveness(ProcessBound):
         world_size: int,
         job_key: str,
         collective_timeout: float,
-        heartbeat_timeout: float | None = HEARTBEAT_TIMEOUT,
-        stall_timeout: float | None = STALL_TIMEOUT,
+        heartbeat_timeout: float | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
         self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
         self.prefix = f"sgdtp/liveness/{job_key}"
@@ -271,7 +267,7 @@ class Liveness(ProcessBound):
             f" thread has run Python for {idle:.0f} s without leaving it while {_ranks(waiting)} waited in a"
             f" collective (stall_timeout={self.stall_timeout:g} s). Its main thread's stack, most recent call"
             f" last:\n{self.main.stack()}This rank ends (exit code 1) and the others end naming it. If the work is"
-            " expected (a long evaluation on one rank), raise stall_timeout, or set it to None."
+            " expected (a long evaluation on one rank), raise stall_timeout, or set it to False."
         )
         self._leave(
             store, RankStuckError(f"stuck {where} for {idle:.0f} s (stall_timeout={self.stall_timeout:g} s)"), message
@@ -449,14 +445,15 @@ class FaultGuard:
     """The strategy's side of fault handling: start the heartbeat once the process group exists, name the phase
     of every collective, and turn a failed collective into an error that names the lost rank.
 
-    ``step`` tells the heartbeat which optimizer step the rank is in (Lightning's ``global_step``)."""
+    ``step`` tells the heartbeat which optimizer step the rank is in (Lightning's ``global_step``);
+    ``heartbeat_timeout`` and ``stall_timeout`` (seconds, ``None``: off) are the options' (``SGDTPConfig``)."""
 
     def __init__(
         self,
         collective_timeout: float,
         step: Callable[[], int] = lambda: -1,
-        heartbeat_timeout: float | None = HEARTBEAT_TIMEOUT,
-        stall_timeout: float | None = STALL_TIMEOUT,
+        heartbeat_timeout: float | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
         self.collective_timeout = collective_timeout
         self.heartbeat_timeout, self.stall_timeout = heartbeat_timeout, stall_timeout

@@ -18,6 +18,8 @@ thread between its beats: nothing runs on the training step's path.
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -186,9 +188,6 @@ class PeerWatch:
 def kill_if_frozen(pid: int, host: str) -> bool:
     """SIGKILL a frozen peer on this host (stopped, or in an uninterruptible wait) that runs this same program: a
     stopped process ignores SIGTERM and would keep its memory and devices forever. True when signalled."""
-    import signal
-    import socket
-
     if host != socket.gethostname() or pid <= 1 or pid == os.getpid():
         return False
     try:
