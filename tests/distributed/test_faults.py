@@ -3,9 +3,9 @@
 Three ranks, each its own process as on a cluster (NODE_RANK=0..2, devices=1, num_nodes=3), train with
 collective_timeout=5 s. When all three reach step 3, rank 1 is SIGKILLed (``kill``), raises (``raise``) or
 sleeps for an hour outside any collective (``hang``: collective_timeout ends it). ``stuck`` (issue 47):
-collective_timeout=120 s, stall_timeout=4 s; rank 1 first compiles for 8 s running Python (not stuck: it says it is
-compiling), then loops forever in its step-3 training_step: it names itself stuck with its stack, within the stall
-bound. Every process must exit non-zero within the bound, the survivors must name rank 1, and no process of the job
+collective_timeout=120 s, stall_timeout=4 s; at step 2 rank 1 compiles for 8 s running Python while the others
+wait (not stuck: it says it is compiling), then loops forever in its step-3 training_step: it names itself stuck
+with its stack, within the stall bound (``stuck_off``, slow: the same with stall_timeout=False runs on). Every process must exit non-zero within the bound, the survivors must name rank 1, and no process of the job
 may be left behind. A frozen rank (SIGSTOP): ``test_no_hang.py``.
 """
 
@@ -39,13 +39,17 @@ EXPECT = {
 
 # kill: a killed rank in the default run is test_a_killed_child_of_lightnings_own_launch_ends_the_job; hang (the
 # collective_timeout diagnosis): tests/unit/runtime/test_watch.py's negative controls keep the watch from claiming it.
-@pytest.mark.parametrize("mode", tiered(["kill", "raise", "hang", "stuck"], slow={"kill", "hang"}))
+# stuck_off: the negative control of stuck (stall_timeout=False): nothing ends within its bound.
+@pytest.mark.parametrize(
+    "mode", tiered(["kill", "raise", "hang", "stuck", "stuck_off"], slow={"kill", "hang", "stuck_off"})
+)
 def test_a_lost_rank_ends_the_job_in_bounded_time(tmp_path: Path, mode: str) -> None:
     port = str(free_port())
-    cmd = [sys.executable, str(JOBS / "faults.py"), mode, "1", str(tmp_path)]
+    off = mode == "stuck_off"
+    cmd = [sys.executable, str(JOBS / "faults.py"), "stuck" if off else mode, "1", str(tmp_path)]
     env = {"MASTER_PORT": port, "SGDTP_TEST_TIMEOUT": str(TIMEOUT), "SGDTP_TEST_WORLD": "3"}
-    if mode == "stuck":  # collective_timeout must not be what ends it
-        env.update(SGDTP_TEST_TIMEOUT="120", SGDTP_TEST_STALL=str(STALL))
+    if mode.startswith("stuck"):  # collective_timeout must not be what ends it
+        env.update(SGDTP_TEST_TIMEOUT="120", SGDTP_TEST_STALL=str(STALL), SGDTP_TEST_STALL_OFF="1" if off else "")
     procs = [start(cmd, env=job_env(NODE_RANK=str(rank), **env)) for rank in range(3)]
     try:
         deadline = time.monotonic() + 300
@@ -58,7 +62,8 @@ def test_a_lost_rank_ends_the_job_in_bounded_time(tmp_path: Path, mode: str) -> 
         if mode == "kill":
             os.kill(victim_pid, signal.SIGKILL)
         ended: dict[int, float] = {}
-        while len(ended) < 3 and time.monotonic() - struck < BOUND[mode] + 30:
+        limit = BOUND["stuck"] if off else BOUND[mode] + 30
+        while len(ended) < 3 and time.monotonic() - struck < limit:
             for rank, proc in enumerate(procs):
                 if rank not in ended and proc.poll() is not None:
                     ended[rank] = time.monotonic() - struck
@@ -67,11 +72,16 @@ def test_a_lost_rank_ends_the_job_in_bounded_time(tmp_path: Path, mode: str) -> 
         time.sleep(1.0)
         left = [rank for rank, p in enumerate(procs) if group_alive(p.pid)]
     finally:
+        for proc in procs if off else []:
+            os.killpg(proc.pid, signal.SIGKILL)
         outputs = [finish(p, 10)[0] for p in procs]
     tails = "\n".join(f"--- rank {r} (rc={p.returncode}):\n{o[-2500:]}" for r, (p, o) in enumerate(zip(procs, outputs)))
     if os.environ.get("SGDTP_TEST_SHOW"):
         print(tails)
     print(f"{mode}: strike -> every rank ended in {max(ended.values(), default=-1):.1f} s: {ended}")
+    if off:  # without the verdict the job waits for collective_timeout (120 s)
+        assert not ended and "is stuck" not in "".join(outputs), tails
+        return
     assert sorted(ended) == [0, 1, 2], f"ranks {sorted(set(range(3)) - set(ended))} did not end:\n{tails}"
     assert all(p.returncode != 0 for p in procs), tails
     assert max(ended.values()) <= BOUND[mode], f"ended after {ended} s, bound {BOUND[mode]} s:\n{tails}"

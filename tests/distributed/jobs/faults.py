@@ -77,6 +77,8 @@ if __name__ == "__main__":
     watch = {}
     if "SGDTP_TEST_STALL" in os.environ:
         watch = {"stall_timeout": float(os.environ["SGDTP_TEST_STALL"]), "heartbeat_timeout": 3}
+        if os.environ.get("SGDTP_TEST_STALL_OFF"):  # the negative control
+            watch["stall_timeout"] = False
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
         strategy=SGDTPStrategy(
