@@ -66,7 +66,7 @@ def patience(phase: str, stack: Iterable[str], settled: bool) -> str | None:
     if any(marker in name for name in stack for marker in COMPILE_FILES):
         return "compiling"
     for key, reason in PATIENT_PHASES.items():
-        if key in phase:
+        if phase.startswith("in ") and key in phase:  # inside it, not after it
             return reason
     return None if settled else "in its first step"
 

@@ -177,6 +177,7 @@ def test_patience_names_the_long_phases() -> None:
     assert watch.patience("in load_checkpoint", [], True) == "saving or loading a checkpoint"
     assert watch.patience("in setup: materialize and load pretrained weights", [], True) == "setting up"
     assert watch.patience("in training_step", [], False) == "in its first step"
+    assert watch.patience("after save_checkpoint", [], True) is None  # done saving: the exemption is over
     # a compiled graph running is not compiling: eval_frame and output_code are on the stack then, not these
     assert watch.patience("in training_step", ["/x/torch/_dynamo/eval_frame.py"], True) is None
 
