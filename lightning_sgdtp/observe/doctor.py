@@ -36,7 +36,7 @@ SUPPORTED = Path(__file__).with_name("supported.json")
 class Row:
     item: str
     found: str
-    verdict: str  # "ok" | "warn" | "fail"
+    verdict: str  # "ok" | "untested" (within the supported range, never run) | "warn" | "fail"
     fix: str = ""
 
 
@@ -143,6 +143,12 @@ def _within(version: str | None, spec: dict[str, str]) -> bool:
     return bool(v) and v >= _parse(spec["min"]) and ("below" not in spec or v < _parse(spec["below"]))
 
 
+def _tested(version: str, spec: dict[str, str]) -> bool:
+    """``version`` is the release CI ran (``3.11.7`` for ``3.11``; ``2.13.0+cpu`` for ``2.13.0``)."""
+    tested = spec.get("tested")
+    return tested is not None and _parse(version)[: len(_parse(tested))] == _parse(tested)
+
+
 def _range(spec: dict[str, str]) -> str:
     return f">={spec['min']}" + (f", <{spec['below']}" if "below" in spec else "")
 
@@ -179,8 +185,15 @@ def check(env: dict[str, Any], supported: dict[str, Any] | None = None) -> list[
     rows: list[Row] = []
 
     def versioned(item: str, found: str | None, spec: dict[str, str], fix: str, required: bool = True) -> None:
-        if found and _within(found, spec):
+        if found and _within(found, spec) and _tested(found, spec):
             rows.append(Row(item, found, "ok"))
+        elif found and _within(found, spec):
+            ran = (
+                f"CI runs {spec['tested']}"
+                if "tested" in spec
+                else "no GPU has run this project yet (docs/hardware.md)"
+            )
+            rows.append(Row(item, found, "untested", f"expected to work ({item} {_range(spec)}), never run: {ran}"))
         else:
             verdict = "fail" if required else "warn"
             rows.append(Row(item, found or "missing", verdict, f"{item} {_range(spec)} is needed: {fix}"))
@@ -188,11 +201,13 @@ def check(env: dict[str, Any], supported: dict[str, Any] | None = None) -> list[
     versioned("python", env.get("python"), s["python"], "install a supported CPython (3.11 is what CI runs)")
     if env.get("implementation", "cpython") != "cpython":
         rows.append(Row("implementation", env["implementation"], "fail", "torch needs CPython"))
-    rows.append(
-        Row("platform", env.get("platform", "?"), "ok")
-        if env.get("platform") in s["platforms"]
-        else Row("platform", env.get("platform", "?"), "warn", f"tested on {', '.join(s['platforms'])} only")
-    )
+    platform, tested = env.get("platform", "?"), s.get("platforms_tested", [])
+    if platform in tested:
+        rows.append(Row("platform", platform, "ok"))
+    elif platform in s["platforms"]:
+        rows.append(Row("platform", platform, "untested", f"expected to work, never run: CI runs {', '.join(tested)}"))
+    else:
+        rows.append(Row("platform", platform, "warn", f"tested on {', '.join(tested)} only"))
     torch_fix = f"pip install torch=={s['torch']['tested']} (the {wheel_tag(env, s)} wheel)"
     versioned("torch", env.get("torch"), s["torch"], torch_fix)
     if env.get("torch"):
@@ -373,7 +388,12 @@ def render(env: dict[str, Any], rows: list[Row]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    marks = {"ok": "[green]ok[/green]", "warn": "[yellow]warn[/yellow]", "fail": "[red]FAIL[/red]"}
+    marks = {
+        "ok": "[green]ok[/green]",
+        "untested": "[yellow]untested[/yellow]",
+        "warn": "[yellow]warn[/yellow]",
+        "fail": "[red]FAIL[/red]",
+    }
     table = Table(title="sgdtp doctor")
     for column in ("check", "found", "verdict", "fix"):
         table.add_column(column, overflow="fold")

@@ -190,6 +190,7 @@ def test_a_killed_child_of_lightnings_own_launch_ends_the_job(tmp_path: Path) ->
         left = group_alive(proc.pid)
     finally:
         out = finish(proc, 10)[0]
+    print(f"killed child (Lightning's launcher): kill -> job gone in {elapsed:.1f} s (rc={proc.returncode})")
     assert proc.returncode != 0 and elapsed <= BOUND["kill"], (
         f"rc={proc.returncode} after {elapsed:.1f} s:\n{out[-3000:]}"
     )

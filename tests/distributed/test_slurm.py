@@ -1,6 +1,6 @@
 """The example on a real (local) SLURM cluster: srun and sbatch, preemption and requeue, bad launches.
 
-`.ci/run` starts the cluster with `../shared/slurm/up.sh 2` (two slurmd "nodes", n1 and n2, on this host) and
+`.ci/run` starts the cluster with `.ci/slurm/up.sh 2` (two slurmd "nodes", n1 and n2, on this host) and
 stops it afterwards. Without a cluster these tests skip, unless SGDTP_REQUIRE_SLURM=1 (CI), where they fail.
 Every run is compared with the same run launched by Lightning itself (no SLURM): parameters bitwise equal. What the
 strategy decided (ranks, nodes, mesh, pipelines) is read from the run's ``sgdtp_plan.json``; the cluster environment,
@@ -43,12 +43,12 @@ def _slurm_up() -> bool:
 
 if not _slurm_up():
     if os.environ.get("SGDTP_REQUIRE_SLURM") == "1":
-        raise RuntimeError("SGDTP_REQUIRE_SLURM=1 but no SLURM cluster answers (run ../shared/slurm/up.sh 2)")
-    pytestmark = pytest.mark.skip(reason="no SLURM cluster: start one with ../shared/slurm/up.sh 2")
+        raise RuntimeError("SGDTP_REQUIRE_SLURM=1 but no SLURM cluster answers (run .ci/slurm/up.sh 2)")
+    pytestmark = pytest.mark.skip(reason="no SLURM cluster: start one with .ci/slurm/up.sh 2")
 
 
 def _env(**extra: str) -> dict[str, str]:
-    # The "nodes" n1/n2 do not resolve: the rendezvous is on 127.0.0.1 (see ../shared/slurm/README.md).
+    # The "nodes" n1/n2 do not resolve: the rendezvous is on 127.0.0.1 (see .ci/slurm/README.md).
     return job_env(MASTER_ADDR="127.0.0.1", **extra)
 
 

@@ -134,11 +134,15 @@ def test_this_machine_and_the_cli(tmp_path: Path) -> None:
     assert table.returncode == 0 and "sgdtp doctor" in table.stdout and "torch wheel for this machine" in table.stdout
     bad = subprocess.run([*cli, "--env", str(DATA / "old-stack.json")], capture_output=True, text=True, check=False)
     assert bad.returncode == 1 and "FAIL" in bad.stdout and "not ready" in bad.stdout
+    # the H100 record with the versions CI runs: ready, its GPU stack untested (no GPU has run this project)
+    h100 = {**json.loads((DATA / "h100-8x-nvlink.json").read_text()), "torch": "2.13.0+cu121", "lightning": "2.6.6"}
+    (tmp_path / "h100.json").write_text(json.dumps(h100))
     as_json = subprocess.run(
-        [*cli, "--json", "--env", str(DATA / "h100-8x-nvlink.json")], capture_output=True, text=True, check=False
+        [*cli, "--json", "--env", str(tmp_path / "h100.json")], capture_output=True, text=True, check=False
     )
     result = json.loads(as_json.stdout)
     assert as_json.returncode == 0 and result["ok"] and result["wheel_tag"] == "cu121-cp311-linux_x86_64"
+    assert {r["item"] for r in result["rows"] if r["verdict"] == "untested"} >= {"NCCL", "CUDA driver"}
 
 
 # -------------------------------------------------------------------------------------------------------- plan

@@ -50,3 +50,10 @@ def test_wheelhouse_install_without_an_index(tmp_path: Path) -> None:
     report = json.loads(out.stdout)
     assert out.returncode == 0 and report["ok"], out.stdout[-3000:] + out.stderr[-3000:]
     assert report["environment"]["torch"].startswith("2.13.0") and report["wheel_tag"].startswith("cpu-cp")
+    # 4. The wheel stands alone: its long description is README.md (what `pip show -v` and an index page show).
+    described = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import importlib.metadata as m; print(m.metadata('lightning-sgdtp')['Description'])"],
+        capture_output=True, text=True, env=offline, cwd=tmp_path, timeout=120, check=False,
+    ).stdout  # fmt: skip
+    first = (REPO / "README.md").read_text().splitlines()[0]
+    assert first in described and len(described) > 1000, described[:500]

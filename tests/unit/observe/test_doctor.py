@@ -34,14 +34,15 @@ def _verdicts(name: str) -> dict[str, tuple[str, str]]:
     ("name", "ok", "tag", "failing"),
     [
         ("cpu-ci", True, "cpu-cp311-linux_x86_64", []),
-        ("h100-8x-nvlink", True, "cu121-cp311-linux_x86_64", []),
+        # recorded with torch 2.5.1 and Lightning 2.5.0: below what pyproject.toml now requires (what CI ran)
+        ("h100-8x-nvlink", False, "cu121-cp311-linux_x86_64", ["torch", "lightning"]),
         (
             "gpus-with-cpu-torch",
             False,
             "cu121-cp311-linux_x86_64",
             ["torch build for the GPUs", "triton (Inductor on GPU)"],
         ),
-        ("gpu-no-triton", False, "cu121-cp311-linux_x86_64", ["triton (Inductor on GPU)"]),
+        ("gpu-no-triton", False, "cu121-cp311-linux_x86_64", ["torch", "lightning", "triton (Inductor on GPU)"]),
         ("old-stack", False, "cpu-cp39-linux_x86_64", ["python", "torch", "lightning", "torchmetrics"]),
         ("no-compiler", False, "cpu-cp311-linux_x86_64", ["C++ compiler (Inductor on CPU)"]),
         ("no-torch", False, "cpu-cp311-linux_x86_64", ["torch", "gloo (CPU collectives)"]),
@@ -64,7 +65,8 @@ def test_fixes_name_what_to_install() -> None:
     assert "pip install torch==2.13.0" in _verdicts("old-stack")["torch"][1]
     assert "apt install g++" in _verdicts("no-compiler")["C++ compiler (Inductor on CPU)"][1]
     h100 = _verdicts("h100-8x-nvlink")
-    assert h100["GPU links"] == ("ok", "") and h100["NCCL"][0] == "ok" and h100["CUDA driver"][0] == "ok"
+    assert h100["GPU links"] == ("ok", "") and h100["NCCL"][0] == "untested" and h100["CUDA driver"][0] == "untested"
+    assert "never run: no GPU has run this project yet" in h100["NCCL"][1]
     assert _verdicts("gpus-with-cpu-torch")["GPU links"] == ("ok", "")  # PCIe only: found, nothing to fix
 
 
@@ -144,3 +146,13 @@ def test_the_example_sbatch_passes_and_the_cli_checks_it(tmp_path: Path, capsys:
     _sbatch_rows(tmp_path, gpu_line="#SBATCH --gres=gpu:4")
     assert main(["doctor", "--json", "--env", cpu_ci, "--sbatch", str(tmp_path / "job.sbatch")]) == 1
     assert not json.loads(capsys.readouterr().out)["ok"]
+
+
+def test_what_never_ran_is_untested_not_ok() -> None:
+    """Within the supported range but not what CI ran: 'untested' (it does not fail the check); CI's own stack: ok."""
+    assert {r.verdict for r in doctor.check(_env("cpu-ci"))} == {"ok"}
+    env = {**_env("cpu-ci"), "platform": "linux-aarch64", "torch": "2.14.0+cpu", "python": "3.12.1"}
+    rows = {r.item: r for r in doctor.check(env)}
+    for item, ran in (("platform", "linux-x86_64"), ("torch", "2.13.0"), ("python", "3.11")):
+        assert rows[item].verdict == "untested" and f"never run: CI runs {ran}" in rows[item].fix, rows[item]
+    assert doctor.report(env, list(rows.values()))["ok"]
