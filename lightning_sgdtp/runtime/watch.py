@@ -106,7 +106,8 @@ class MainThread:
             self.position, self.position_since, self.moved_at = position, now, now
         cpu = self._cpu_time()
         if cpu is not None and self._cpu is not None and self._wall is not None and now > self._wall:
-            busy = (cpu - self._cpu) / (now - self._wall) >= 0.5
+            # a quarter of a core: a waiting rank uses none, a running one all it gets on a shared machine
+            busy = (cpu - self._cpu) / (now - self._wall) >= 0.25
             self._recent = [*self._recent[-3:], busy and late >= 0.5 * sys.getswitchinterval()]
         self._cpu, self._wall = cpu, now
         if sum(self._recent) >= 2:
