@@ -239,8 +239,14 @@ class Liveness(ProcessBound):
     def _end_for_silence(self, store: dist.TCPStore, silent: list[tuple[int, float, dict[str, Any]]]) -> None:
         parts = []
         for rank, quiet, beat in silent:
-            where = PeerState(rank, phase=beat.get("phase", "starting"), step=beat.get("step", -1)).where()
-            who = f"rank {rank} (host {beat.get('host', '?')}, pid {beat.get('pid', -1)})"
+            peer = PeerState(
+                rank,
+                beat.get("host", "?"),
+                beat.get("pid", -1),
+                phase=beat.get("phase", "starting"),
+                step=beat.get("step", -1),
+            )
+            who, where = peer.who(), peer.where()
             what = "the rendezvous store it hosts does not answer" if beat.get("store") else "no heartbeat"
             parts.append(
                 f"{who} is frozen or lost: {what} for {quiet:.0f} s (heartbeat_timeout={self.heartbeat_timeout:g} s),"
@@ -261,9 +267,10 @@ class Liveness(ProcessBound):
 
     def _end_as_stuck(self, store: dist.TCPStore, now: float, waiting: list[tuple[int, dict[str, Any]]]) -> None:
         idle = self.main.idle(now)
-        where = f"{self.phase} at step {self.step}" if self.step >= 0 else self.phase
+        me = PeerState(self.rank, self._me["host"], self._me["pid"], phase=self.phase, step=self.step)
+        where = me.where()
         message = (
-            f"sgdtp: rank {self.rank} (host {self._me['host']}, pid {self._me['pid']}) is stuck {where}: its main"
+            f"sgdtp: {me.who()} is stuck {where}: its main"
             f" thread has run Python for {idle:.0f} s without leaving it while {_ranks(waiting)} waited in a"
             f" collective (stall_timeout={self.stall_timeout:g} s). Its main thread's stack, most recent call"
             f" last:\n{self.main.stack()}This rank ends (exit code 1) and the others end naming it. If the work is"
