@@ -175,7 +175,11 @@ class Job:
 
     def start(self, default_backend: str, requeue_signal: int | None = None) -> None:
         """Once the processes exist: join the process group (``default_backend`` unless one was named), start the
-        fault guard and the shutdown watchdog; ``requeue_signal``: SLURM's, agreed on by the ranks (preemption)."""
+        fault guard and the shutdown watchdog; ``requeue_signal``: SLURM's, agreed on by the ranks (preemption).
+        At interpreter exit the process group is destroyed while Python is alive (:func:`register_exit`), for the
+        Trainer too: its teardown leaves the group for a next ``fit``, and a gloo group freed while the interpreter
+        finalizes can abort a finished run (CI saw exit -6 after a one-process ``fit`` whose error the script
+        caught)."""
         self.report.rank = self.host.global_rank
         self.process_group_backend = self.process_group_backend or default_backend
         if requeue_signal is not None and self.preemption is None:
@@ -185,13 +189,12 @@ class Job:
         self.watchdog = processes.join(
             self.config, self.cluster(), self.process_group_backend, device, self.guard, self.watchdog, ignore
         )
+        register_exit(self)
 
     def start_for_loop(self, default_backend: str) -> None:
         """:meth:`start` for a front end with neither a step-end hook nor a teardown call (Fabric): SLURM's requeue
-        signal where its environment has one (the loop asks :meth:`requeue_if_agreed`), and :meth:`leave` at
-        interpreter exit."""
+        signal where its environment has one (the loop asks :meth:`requeue_if_agreed`)."""
         self.start(default_backend, requeue_signal(self.host.cluster_environment))
-        register_exit(self)
 
     def cluster(self) -> processes.Cluster:
         env, host = self.host.cluster_environment, self.host
@@ -362,9 +365,10 @@ class Job:
             preemption.save_and_requeue(where, lambda: save(where), step, self.broadcast, rank, self.report.say)
 
     def leave(self) -> None:
-        """At interpreter exit, where no teardown ran (a Fabric script's end): stop the heartbeat (joined: the peers
-        learn that this rank left on purpose) and, unless this rank failed (its countdown still bounds the exit), the
-        watchdog, before Python finalizes (:func:`leave_at_exit` then destroys the process group)."""
+        """At interpreter exit (after a Trainer's teardown, nothing left to stop; at a Fabric script's end, no
+        teardown ran): stop the heartbeat (joined: the peers learn that this rank left on purpose) and, unless this
+        rank failed (its countdown still bounds the exit), the watchdog, before Python finalizes
+        (:func:`leave_at_exit` then destroys the process group)."""
         failed = self.guard.failed
         self.guard.close()
         if self.watchdog is not None and not failed:
@@ -475,8 +479,7 @@ _EXIT_HOOK: list[bool] = []
 
 
 def register_exit(job: Job) -> None:
-    """End ``job`` at interpreter exit (a front end that gets no teardown call): :func:`leave_at_exit`, registered
-    with ``atexit`` once per process."""
+    """End ``job`` at interpreter exit: :func:`leave_at_exit`, registered with ``atexit`` once per process."""
     if not _EXIT_HOOK:
         _EXIT_HOOK.append(True)
         atexit.register(leave_at_exit)

@@ -466,6 +466,7 @@ class FaultGuard:
         self.heartbeat_timeout, self.stall_timeout = heartbeat_timeout, stall_timeout
         self.step = step
         self.liveness: Liveness | None = None
+        self._failed = False  # reported a failure; kept past close (the exit then meets no peer)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``torch.save(trainer)``, ``copy.deepcopy(strategy)``) keeps the timeout, not the heartbeat: a thread
@@ -477,6 +478,7 @@ class FaultGuard:
         attempt (torchrun restarts reuse the store) never count."""
         if world_size < 2 or self.liveness is not None:
             return
+        self._failed = False
         key = [uuid.uuid4().hex]
         dist.broadcast_object_list(key, src=0)
         self.liveness = Liveness(
@@ -512,8 +514,8 @@ class FaultGuard:
 
     @property
     def failed(self) -> bool:
-        """This rank has reported a failure (its own, or a peer's it stopped for)."""
-        return self.liveness is not None and self.liveness.reported
+        """This rank has reported a failure (its own, or a peer's it stopped for), in this run, closed or not."""
+        return self._failed or (self.liveness is not None and self.liveness.reported)
 
     def where(self) -> str:
         """What the heartbeat says this rank is doing (``in training_step at step 2``)."""
@@ -522,5 +524,6 @@ class FaultGuard:
 
     def close(self) -> None:
         if self.liveness is not None:
+            self._failed = self.failed
             self.liveness.close()
             self.liveness = None
