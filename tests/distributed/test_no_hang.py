@@ -138,6 +138,8 @@ def test_a_frozen_rank_ends_the_job_naming_it(tmp_path: Path, mode: str) -> None
 
     ended, code, out = _run_until(tmp_path, scenario, strike, limit=FROZEN_BOUND + (0 if off else 30), left=off)
     print(f"{mode}: freeze -> last process gone in {ended:.1f} s (rc={code})")
+    if os.environ.get("SGDTP_TEST_SHOW"):  # the saved runs the docs quote (benchmarks/results/faults_*.txt)
+        print(out[-4000:])
     victim = int((tmp_path / "step-1").read_text())
     if off:  # without the heartbeat's verdict the job waits for collective_timeout (1800 s)
         assert ended >= FROZEN_BOUND and "is frozen or lost" not in out, out[-4000:]

@@ -159,6 +159,8 @@ def test_sbatch_preempted_job_requeues_and_ends_like_an_uninterrupted_run(refere
     same final parameters as the uninterrupted run."""
     job, log = _sbatch(tmp_path, [*ARGS, "--save_weights", str(tmp_path / "w.pt")])
     text = _preempt_and_wait(job, log)
+    if os.environ.get("SGDTP_TEST_SHOW"):  # the saved run the docs quote (benchmarks/results/faults_*.txt)
+        print(text[-6000:])
     # log wording: the preemption is an event, not in the plan yet (wanted: plan["preempted"])
     assert "sgdtp: preempted at step" in text and "hpc_ckpt_1.ckpt" in text, text[-4000:]
     # the batch script's own line (SLURM_RESTART_COUNT) and Lightning's restore line: not the strategy's

@@ -5,6 +5,11 @@ an interpreter that has imported torch, Lightning and lightning_sgdtp, so that n
 - A block fenced as ```python no-run is only compiled (it needs GPUs or several machines).
 - A ```text output block right after a python block is what that block prints: each of its lines must
   appear in the block's stdout, so quoted messages (errors, log lines) stay the real ones.
+- A ```text saved=PATH block quotes a saved run (a log under benchmarks/results/, a test's output): each of its lines
+  must appear in that file (``[...]`` marks a cut: each part must). For output no docs block can produce (GPUs,
+  SLURM, several machines, minutes of training).
+- Any other ```text block is declared ```text sketch (a diagram, a shape, a command to type): never program output
+  (``test_every_text_block_is_checked_or_a_sketch``).
 
 Blocks run two at a time (one thread each); the whole file takes about three minutes on 2 CPU cores (330 s with
 a fresh interpreter per block, issue 22).
@@ -137,6 +142,37 @@ def test_all_runnable_blocks_ran(results: dict[str, tuple[int, str, str, float]]
         + ", ".join(f"{k} {v[3]:.0f}s" for k, v in sorted(results.items(), key=lambda kv: -kv[1][3])[:3])
     )
     assert ran == len(RUNNABLE)
+
+
+TEXT_KINDS = ("output", "sketch")
+
+
+def _saved(block: Block) -> Path | None:
+    path = next((f.split("=", 1)[1] for f in block.flags.split() if f.startswith("saved=")), None)
+    return REPO / path if path else None
+
+
+def test_every_text_block_is_checked_or_a_sketch() -> None:
+    """No ```text block quotes program output unchecked: each is `output` (checked against the python block above
+    it), `saved=PATH` (checked against a saved run) or `sketch` (not output)."""
+    plain = [
+        b.id for b in ALL if b.lang == "text" and not _saved(b) and not any(k in b.flags.split() for k in TEXT_KINDS)
+    ]
+    assert not plain, f"```text blocks that say neither output, saved=PATH nor sketch: {plain}"
+
+
+@pytest.mark.parametrize("block", [b for b in ALL if _saved(b)], ids=[b.id for b in ALL if _saved(b)])
+def test_saved_output_is_in_its_file(block: Block) -> None:
+    saved = _saved(block)
+    assert saved is not None and saved.is_file(), f"{block.id}: {saved} does not exist"
+    assert saved.is_relative_to(REPO / "benchmarks" / "results") or saved.is_relative_to(REPO / "tests"), saved
+    text = saved.read_text(errors="replace")
+    missing = [
+        line.strip()
+        for line in block.code.splitlines()
+        if line.strip() and not all(part.strip() in text for part in line.strip().split("[...]"))
+    ]
+    assert not missing, f"{block.id}: lines not in {saved.relative_to(REPO)}: {missing}"
 
 
 def test_readme_commands_match_ci() -> None:
@@ -362,3 +398,133 @@ def test_every_figure_names_its_source() -> None:
                 unsourced.append(f"{unit.id}: {', '.join(found)}: {unit.text[:100]!r}")
     assert checked > 10, f"only {checked} units with a figure found: is the parser broken?"
     assert not unsourced, f"{len(unsourced)} doc units state a figure without its source:\n" + "\n".join(unsourced)
+
+
+# --- Figures against their saved results ---------------------------------------------------------------------------
+
+# A figure's unit, and what a saved file may hold instead of it (the same quantity in another unit: a sum of seconds
+# shown in minutes, a byte count shown in GiB, a fraction shown as a percentage).
+_SCALES: dict[str, tuple[float, ...]] = {
+    "%": (1.0, 100.0),
+    "ms": (1.0, 1e3),
+    "µs": (1.0, 1e6),
+    "us": (1.0, 1e6),
+    "s": (1.0, 1e-3),
+    "min": (1.0, 1 / 60),
+    "h": (1.0, 1 / 3600),
+    "KiB": (1.0, 2**-10),
+    "MiB": (1.0, 2**-20),
+    "GiB": (1.0, 2**-30),
+    "TiB": (1.0, 2**-40),
+    "kB": (1.0, 1e-3),
+    "KB": (1.0, 1e-3),
+    "MB": (1.0, 1e-6),
+    "GB": (1.0, 1e-9),
+    "TB": (1.0, 1e-12),
+}
+_FIGURE_VALUE = re.compile(r"(\d+(?:,\d{3})*(?:\.(\d+))?)(?:e(-?\d+))?\s?(%|[µu]s|ms|min|h|s|[KMGT]i?B|kB)?")
+_FILE_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def figure_value(figure: str) -> tuple[float, float, str]:
+    """A figure's value, half a unit of its last digit (what rounding it may hide), and its unit ('' if none)."""
+    m = _FIGURE_VALUE.search(figure.replace("×", "x"))
+    assert m, figure
+    digits, decimals, exponent, unit = m.group(1).replace(",", ""), m.group(2) or "", m.group(3), m.group(4) or ""
+    scale = 10.0 ** int(exponent) if exponent else 1.0
+    return float(digits) * scale, 0.5 * 10.0 ** -len(decimals) * scale, unit
+
+
+def numbers_in(files: list[Path]) -> list[float]:
+    found: list[float] = []
+    for file in files:
+        found += [float(n) for n in _FILE_NUMBER.findall(file.read_text(errors="replace"))]
+    return found
+
+
+def in_numbers(figure: str, numbers: list[float]) -> bool:
+    """Whether a figure is one of the numbers, as shown: rounded to its digits, in its unit or the file's."""
+    value, half, unit = figure_value(figure)
+    return any(abs(n * scale - value) <= half * (1 + 1e-9) for scale in _SCALES.get(unit, (1.0,)) for n in numbers)
+
+
+def cited_files(text: str, page: Path) -> list[Path]:
+    """The repository files a text cites: relative links, paths in code spans, and the scripts its commands run."""
+    found: list[Path] = []
+    targets = [t for t in re.findall(r"\]\(([^)\s]+)", text) if not EXTERNAL.match(t)]
+    for target in targets:
+        file = (page.parent / target.partition("#")[0]).resolve()
+        found += [file] if file.is_file() else []
+    for span in (m.group()[1:-1].strip("` ") for m in CODE_SPAN.finditer(text)):
+        for word in re.split(r"[\s:]", span):
+            file = REPO / word
+            found += [file] if word and file.is_file() else []
+    return found
+
+
+def test_every_figure_is_in_its_saved_result() -> None:
+    """A measured figure is in the file its paragraph cites: a saved run (benchmarks/results/..., the support
+    matrix's docs/model-support.json, a saved test log) or, for a bound a test asserts, that test. Checked for every
+    unit ``test_every_figure_names_its_source`` checks, except those that say the figure is no measurement
+    ("untested", "not measured", "example"): each figure, rounded as shown, must equal a number of a cited file, in
+    its unit or in the file's (seconds shown as minutes, bytes as GiB, a fraction as a percentage)."""
+    checked, missing = 0, []
+    for path in DOCS:
+        page = units(path)
+        generated = page[0].text if page and page[0].text.startswith("Generated by") else ""
+        for unit in page:
+            text = unit.text
+            for doc, phrase in NOT_FIGURES:
+                text = text.replace(phrase, " ") if doc == path.name else text
+            found = figures(text)
+            if not found or SOURCE_WORDS.search(CODE_SPAN.sub(" ", unit.text)):
+                continue
+            checked += 1
+            files = cited_files(f"{unit.text}\n{unit.context}\n{generated}", path)
+            numbers = numbers_in(sorted(set(files)))
+            absent = [f for f in found if not in_numbers(f, numbers)]
+            if absent:
+                names = sorted({str(f.relative_to(REPO)) for f in files}) or ["no file"]
+                missing.append(f"{unit.id}: {', '.join(absent)} not in {', '.join(names)}: {unit.text[:90]!r}")
+    assert checked > 10, f"only {checked} units with a figure found: is the parser broken?"
+    assert not missing, f"{len(missing)} doc units state a figure their cited files do not hold:\n" + "\n".join(missing)
+
+
+def test_the_support_matrix_says_how_old_it_is() -> None:
+    """docs/model-support.md is measured on older commits (a full matrix is hours of CPU; it is not regenerated per
+    commit), so it says so first: its "How old this is" paragraph names every commit its cells ran on, with the
+    count of cells on uncommitted code, exactly as ``docs/model-support.json`` records them, and every commit is
+    in this history. The pages that link it say that it was measured on earlier commits."""
+    import json
+    import subprocess
+
+    cells = [c for row in json.loads((REPO / "docs" / "model-support.json").read_text()).values() for c in row.values()]
+    commits = {c["commit"] for c in cells if "commit" in c}
+    page = (REPO / "docs" / "model-support.md").read_text()
+    head = next((u.text for u in units(REPO / "docs" / "model-support.md") if u.text.startswith("**How old")), "")
+    assert head and page.index(head[:40]) < page.index("| model |"), "the page must say how old it is before its table"
+    named = set(re.findall(r"`([0-9a-f]{7,}(?:\+changes)?)`", head))
+    assert named == commits, f"the page names {sorted(named)}, its cells ran on {sorted(commits)}: re-render it"
+    dirty = sum(1 for c in cells if c.get("commit", "").endswith("+changes"))
+    assert not dirty or f"{dirty} cells ran with uncommitted changes" in head, head
+    git = (REPO / ".git").exists()
+    for commit in sorted(commits) if git else []:
+        sha = commit.removesuffix("+changes")
+        assert subprocess.run(["git", "cat-file", "-e", f"{sha}^{{commit}}"], cwd=REPO, check=False).returncode == 0, (
+            sha
+        )
+    if git:
+        newest = max(commits, key=lambda c: subprocess.run(
+            ["git", "log", "-1", "--format=%ct", c.removesuffix("+changes")], cwd=REPO, capture_output=True, text=True,
+            check=False).stdout.strip())  # fmt: skip
+        since = subprocess.run(
+            ["git", "rev-list", "--count", f"{newest.removesuffix('+changes')}..HEAD", "--", "lightning_sgdtp"],
+            cwd=REPO, capture_output=True, text=True, check=False,
+        ).stdout.strip()  # fmt: skip
+        print(f"\nthe support matrix's newest cells ran on {newest}; {since} commits changed lightning_sgdtp/ since")
+    for path in (REPO / "README.md", REPO / "docs" / "index.md"):
+        for unit in units(path):
+            if "model-support.md" in unit.text:
+                assert "commit" in unit.text, (
+                    f"{unit.id} links the support matrix without saying it is of older commits"
+                )
