@@ -259,7 +259,7 @@ def plan_part(
     return PartPlan(
         tensor_plan, sharding, checkpoint,
         compile=compile,
-        dp_sync=dp_sync, in_graph_sync=in_graph, prove_shards=dp_sync,
+        dp_sync=dp_sync, in_graph_sync=in_graph, prove_shards=dp_sync and dims.dp_enabled,  # dp 1: nothing to reduce
         # The measured cost model is recorded in the compile cache (bundles carry it): a warm job plans the same buckets.
         measure_link=config.measured_buckets and dims.dp_enabled and dp_sync,
         lock_compiles=lock if whole else None, compile_cache=str(cache) if cache is not None else None,

@@ -68,7 +68,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        if "://" in str(path):  # remote filesystems: fsspec's own semantics
+        if "://" in str(path) or storage_options is not None:  # remote: fsspec's; storage_options: Lightning's error
             return super().save_checkpoint(checkpoint, path, storage_options)
         return checkpoints.save_file(checkpoint, Path(path), self.signing_key)
 
@@ -308,7 +308,9 @@ class SGDTPStrategy(FrontEnd, ParallelStrategy):
     ) -> Any:
         step = super().optimizer_step  # its closure runs training_step: the job starts the step before it
         return self._job.optimizer_step(
-            optimizer, lambda: step(optimizer, labelled(closure, CLOSURE_LABEL), model, **kwargs)
+            optimizer,
+            lambda: step(optimizer, labelled(closure, CLOSURE_LABEL), model, **kwargs),
+            getattr(self.precision_plugin, "scaler", None),
         )
 
     def gather_pipeline_stages(self) -> None:

@@ -188,10 +188,12 @@ class ParallelDims:
                 else tensor_parallel_size(config, per_stage, devices_per_node, None)
             )
             if config.parallelism in ("tensor", "hybrid") and tp == 1:
+                why = "leaves one rank per stage" if per_stage == 1 else "gives a tensor-parallel size of 1"
                 raise SGDTPConfigError(
-                    f"parallelism={config.parallelism!r} with {pp} pipeline stages on {world_size} ranks leaves one rank"
-                    f" per stage: no tensor-parallel group. Set pipeline_stages to {world_size} / (ranks per"
-                    " tensor-parallel group), e.g. pipeline_stages=2 with 4 ranks, or use parallelism='data'."
+                    f"parallelism={config.parallelism!r} with {pp} pipeline stages on {world_size} ranks {why}: no"
+                    f" tensor-parallel group. Set pipeline_stages to {world_size} / (ranks per tensor-parallel group)"
+                    " and tensor_parallel_size to 2 or more, e.g. pipeline_stages=2 with 4 ranks, or use"
+                    " parallelism='data'."
                 )
             dp = per_stage // tp
             # "node": the data-parallel ranks of one stage inside one node (a stage's ranks are consecutive)

@@ -209,3 +209,12 @@ def test_parallelize_applies_in_one_fixed_order(monkeypatch: pytest.MonkeyPatch)
     order.clear()
     parallelize(Net(), PartPlan(), built, backends)  # nothing asked, nothing applied
     assert order == []
+
+
+def test_sharding_over_one_data_parallel_rank_proves_nothing() -> None:
+    """``sharding="full"`` on one process: a gradient over one rank is already reduced (the backend inserts no
+    collective for a group of one), so the shard proof has nothing to ask; it ran and failed the first backward."""
+    config = SGDTPConfig(sharding="full")
+    one, two = plan_part(config, dims(config, 1, 1), Net()), plan_part(config, dims(config, 2, 2), Net())
+    assert one.sharding is not None and not one.prove_shards
+    assert two.sharding is not None and two.prove_shards

@@ -161,3 +161,15 @@ def test_where_the_plan_file_goes(
     report.place(tmp_path / "logs", plan_file, logger=logger)
     assert report.folder == tmp_path / "logs"  # the timeline's folder, whatever the plan file
     assert report.plan_path == (tmp_path / where if where else None)
+
+
+def test_storage_options_are_refused_as_lightning_refuses_them(in_tmp: Path) -> None:
+    """Lightning's TorchCheckpointIO refuses ``storage_options`` (it has no use for them); the strategy's one-file
+    CheckpointIO did not, and silently wrote the file without them."""
+    from lightning_sgdtp.frontends.trainer import AtomicCheckpointIO
+
+    with pytest.raises(TypeError, match="storage_options.*not supported for `AtomicCheckpointIO`"):
+        AtomicCheckpointIO().save_checkpoint({"state_dict": {}}, in_tmp / "last.ckpt", storage_options={"x": 1})
+    assert not (in_tmp / "last.ckpt").exists()
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {}}, in_tmp / "last.ckpt")
+    assert (in_tmp / "last.ckpt").exists()
