@@ -6,7 +6,9 @@ This module adds three things on top of that cache, without touching its format:
 
 - **One compile per node.** The ranks of a node share one Inductor cache folder, and every compile of the
   ``"sgdtp"`` backend runs under an exclusive file lock in it: the first rank compiles, the others wait, then
-  find the result in the cache (the lock is taken per compile, never across a collective).
+  find the result in the cache (the lock is taken per compile, never across a collective). With data parallel
+  alone on CPU only: on a GPU Inductor's key holds the device index, so the ranks of a node compile side by side,
+  unlocked, each its own graphs into the shared folder (:func:`node_compiles`).
 - **Bundles.** After the first optimizer step, global rank 0 copies that folder to ``path/KEY/``, atomically
   (temporary name, fsync, rename), with a SHA256 manifest, signed with ``signing_key`` when set. ``KEY`` is a hash
   of what makes the artifacts valid: torch version and build, Python, platform, device kind, the parallel layout,
@@ -108,6 +110,39 @@ def key_fields(
     }
 
 
+def node_compiles(device: torch.device, locked: bool, warm: bool, devices_per_node: int) -> str | None:
+    """Rank 0's line on how the ranks of a node share their compiles (None with one rank a node).
+
+    ``locked``: the plan's node lock is on (``lock_compiles == "node"``: data parallel alone, on CPU). On an
+    accelerator it is off: Inductor's FX graph key and AOTAutograd's key hold each input's ``torch.device`` with its
+    index, and the compiled code names that index (``torch/_inductor/codecache.py``, ``FxGraphCachePickler``;
+    docs/compile-cache.md), so ranks on ``cuda:0`` and ``cuda:1`` never hit each other's entries. A lock would only
+    make them wait for a graph they cannot use: each compiles its own, side by side, into the node's folder."""
+    if devices_per_node <= 1:
+        return None
+    others = (
+        "the other waits, then loads" if devices_per_node == 2 else f"the other {devices_per_node - 1} wait, then load"
+    )
+    if warm:
+        own = f" (those of its device, {device}: Inductor's key holds the index)" if device.index is not None else ""
+        return f"compile cache: a warm start, no compile lock: every rank takes its graphs{own} from the bundle at once"
+    if locked:
+        return (
+            f"compiles: the {devices_per_node} ranks of a node compile each graph once: the first compiles it under"
+            f" the node lock ({LOCK}), {others} it from the cache"
+        )
+    if device.type != "cpu":
+        return (
+            f"compiles: no node lock on {device.type}: Inductor's cache key holds the device index ({device} here), so"
+            f" the {devices_per_node} ranks of a node share no compiled graph; each compiles its own side by side, none"
+            " waits on another"
+        )
+    return (
+        f"compiles: no node lock: each rank's graphs name its own process groups; the {devices_per_node} ranks of a"
+        " node compile side by side"
+    )
+
+
 def cache_key(fields: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -204,11 +239,7 @@ class CompileCache:
         tmp = Path(tempfile.mkdtemp(prefix=f".{self.key}.tmp-", dir=self.root))
         try:
             with self.lock():
-                for src in self.local_dir.rglob("*"):
-                    rel = src.relative_to(self.local_dir)
-                    if src.is_file() and not (set(rel.parts) & _SKIP):
-                        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                        shutil.copy2(src, tmp / rel)
+                _copy_artifacts(self.local_dir, tmp)
             (tmp / FIELDS).write_text(json.dumps(self.fields, indent=1, sort_keys=True, default=str))
             sign_with(tmp, self.signing_key)
             _fsync_tree(tmp)
@@ -228,6 +259,22 @@ class CompileCache:
             if evicted
             else ""
         )
+
+
+def _copy_artifacts(src_root: Path, dest_root: Path) -> None:
+    """Copy the node's cache folder into a bundle: not the lock files and marker (``_SKIP``), nor a file under a
+    temporary name (a dot first: Inductor's ``write_atomic``, the staged C++ builds), nor a file or folder that
+    vanished meanwhile. On GPUs the ranks of a node compile side by side, without the lock that this copy holds
+    (:func:`node_compiles`), so another rank may still be writing into the folder when global rank 0 publishes."""
+    for folder, dirs, files in os.walk(src_root):  # a folder removed while walked is skipped (os.walk ignores errors)
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP)
+        rel = Path(folder).relative_to(src_root)
+        for name in files:
+            if name in _SKIP or name.startswith("."):
+                continue
+            (dest_root / rel).mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):  # renamed or removed by its writer since the walk saw it
+                shutil.copy2(Path(folder) / name, dest_root / rel / name)
 
 
 def _place(src: Path, dest: Path) -> None:

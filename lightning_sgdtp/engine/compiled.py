@@ -130,6 +130,11 @@ class CompiledStep(StepEngine):
             # collective_timeout/4, then compile beside it) and load side by side (compiler/artifacts.CompileLock).
             # A warm bundle holds the graphs already: every rank loads them at once, nobody waits.
             settings = dataclasses.replace(settings, compile_lock=lock)
+        # Said on rank 0: whether the ranks of a node share compiles, and why not on GPUs (Inductor's key holds the
+        # device index: each rank compiles its own graphs, side by side).
+        line = compile_cache.node_compiles(self.device, plan.lock_compiles == "node", warm, self.dims.devices_per_node)
+        if line is not None:
+            self.report.say(line)
         if plan.measure_link:
             settings = dataclasses.replace(settings, cost=self._cost_model())
         self.compiler = SGDTPCompiler(config, self.dims.dp_group, names, self._on_graph, settings=settings)

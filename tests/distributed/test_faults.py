@@ -76,8 +76,13 @@ def test_a_lost_rank_ends_the_job_in_bounded_time(tmp_path: Path, mode: str) -> 
             os.killpg(proc.pid, signal.SIGKILL)
         outputs = [finish(p, 10)[0] for p in procs]
     tails = "\n".join(f"--- rank {r} (rc={p.returncode}):\n{o[-2500:]}" for r, (p, o) in enumerate(zip(procs, outputs)))
-    if os.environ.get("SGDTP_TEST_SHOW"):
+    if os.environ.get("SGDTP_TEST_SHOW"):  # the saved runs the docs quote (benchmarks/results/fault_*.txt)
         print(tails)
+        print(
+            "\n".join(
+                f"rank {r}: {line}" for r, o in enumerate(outputs) for line in o.splitlines() if "sgdtp: " in line
+            )
+        )
     print(f"{mode}: strike -> every rank ended in {max(ended.values(), default=-1):.1f} s: {ended}")
     if off:  # without the verdict the job waits for collective_timeout (120 s)
         assert not ended and "is stuck" not in "".join(outputs), tails

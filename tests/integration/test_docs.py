@@ -4,7 +4,9 @@ an interpreter that has imported torch, Lightning and lightning_sgdtp, so that n
 - A block fenced as ```python runs as a script (cwd = the repository root) and must exit 0.
 - A block fenced as ```python no-run is only compiled (it needs GPUs or several machines).
 - A ```text output block right after a python block is what that block prints: each of its lines must
-  appear in the block's stdout, so quoted messages (errors, log lines) stay the real ones.
+  appear in the block's stdout, so quoted messages (errors, log lines) stay the real ones. A ```text stderr block
+  after them is what it logs (Lightning's and the strategy's log lines go to stderr). In both, ``[...]`` marks a cut
+  (what differs from run to run, a time): each part of the line must appear.
 - A ```text saved=PATH block quotes a saved run (a log under benchmarks/results/, a test's output): each of its lines
   must appear in that file (``[...]`` marks a cut: each part must). For output no docs block can produce (GPUs,
   SLURM, several machines, minutes of training).
@@ -48,6 +50,7 @@ class Block:
     flags: str
     code: str
     expected: str | None = None  # the ```text output block that follows, if any
+    logged: str | None = None  # the ```text stderr block that follows, if any
 
     @property
     def id(self) -> str:
@@ -78,6 +81,11 @@ def parse(path: Path) -> list[Block]:
             assert blocks[-1].expected is None, f"{path}:{start + 1}: two output blocks after one python block"
             assert blocks[-1].runs, f"{path}:{start + 1}: an output block after a no-run block is never checked"
             blocks[-1].expected = block.code
+        ran = next((b for b in reversed(blocks) if b.lang == "python"), None) if blocks else None
+        if block.lang == "text" and "stderr" in block.flags.split() and ran is not None:
+            assert blocks[-1] is ran or blocks[-1].flags.split()[:1] == ["output"], f"{path}:{start + 1}: not after"
+            assert ran.runs and ran.logged is None, f"{path}:{start + 1}: a stderr block after a no-run block"
+            ran.logged = block.code
         blocks.append(block)
         i += 1
     return blocks
@@ -127,11 +135,14 @@ def test_block_runs(block: Block, results: dict[str, tuple[int, str, str, float]
     assert rc == 0, (
         f"{block.id} failed (rc={rc}, {seconds:.0f}s)\n--- code\n{block.code}--- stdout\n{out[-3000:]}--- stderr\n{err[-6000:]}"
     )
-    if block.expected is not None:
-        missing = [line.strip() for line in block.expected.splitlines() if line.strip() and line.strip() not in out]
-        assert not missing, (
-            f"{block.id}: the output block says lines the code did not print: {missing}\n--- stdout\n{out[-3000:]}"
-        )
+    for quoted, printed, name in ((block.expected, out, "stdout"), (block.logged, err, "stderr")):
+        missing = [line.strip() for line in (quoted or "").splitlines() if not _quoted_in(line, printed)]
+        assert not missing, f"{block.id}: lines the code did not print on {name}: {missing}\n---\n{printed[-3000:]}"
+
+
+def _quoted_in(line: str, text: str) -> bool:
+    """A quoted line is in a text: each part of it between ``[...]`` cuts (a blank line is in any text)."""
+    return all(part.strip() in text for part in line.strip().split("[...]"))
 
 
 def test_all_runnable_blocks_ran(results: dict[str, tuple[int, str, str, float]]) -> None:
@@ -144,7 +155,7 @@ def test_all_runnable_blocks_ran(results: dict[str, tuple[int, str, str, float]]
     assert ran == len(RUNNABLE)
 
 
-TEXT_KINDS = ("output", "sketch")
+TEXT_KINDS = ("output", "stderr", "sketch")
 
 
 def _saved(block: Block) -> Path | None:
@@ -167,11 +178,7 @@ def test_saved_output_is_in_its_file(block: Block) -> None:
     assert saved is not None and saved.is_file(), f"{block.id}: {saved} does not exist"
     assert saved.is_relative_to(REPO / "benchmarks" / "results") or saved.is_relative_to(REPO / "tests"), saved
     text = saved.read_text(errors="replace")
-    missing = [
-        line.strip()
-        for line in block.code.splitlines()
-        if line.strip() and not all(part.strip() in text for part in line.strip().split("[...]"))
-    ]
+    missing = [line.strip() for line in block.code.splitlines() if not _quoted_in(line, text)]
     assert not missing, f"{block.id}: lines not in {saved.relative_to(REPO)}: {missing}"
 
 
