@@ -49,6 +49,7 @@ from lightning_sgdtp.engine.step_compile import adopt_compiled
 from lightning_sgdtp.frontends.job import FrontEnd, Job, strategy_docs, strategy_signature
 from lightning_sgdtp.observe.timeline import label
 from lightning_sgdtp.parallel.checkpointing import find_block_stack, no_block_stack_message
+from lightning_sgdtp.sync import comm
 
 #: The step Fabric's module runs compiled: the module's call, its forward hooks included (tensor parallel's).
 FABRIC_STEP = "_call_impl"
@@ -276,7 +277,9 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
         step = super().optimizer_step
         if self._job.engine is None:
             return step(optimizer, **kwargs)
-        return self._job.optimizer_step(optimizer, lambda: step(optimizer, **kwargs))
+        return self._job.optimizer_step(
+            optimizer, lambda: step(optimizer, **kwargs), getattr(self.precision, "scaler", None)
+        )
 
     @override
     def clip_gradients_norm(
@@ -288,9 +291,10 @@ class SGDTPFabricStrategy(FrontEnd, ParallelStrategy):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """By the norm of the whole model: over every shard and tensor-parallel part (torch's rule otherwise)."""
-        if self._clip is None:
-            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
-        self.precision.unscale_gradients(optimizer)
+        with comm.found_inf_agreed(getattr(self.precision, "scaler", None)):  # it unscales: every rank one verdict
+            if self._clip is None:
+                return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+            self.precision.unscale_gradients(optimizer)
         params = list(self.precision.main_params(optimizer))
         return self._clip(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
 

@@ -241,13 +241,15 @@ class Job:
         return self.engine
 
     # ---------------------------------------------------------------------------------------------------- steps
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, run: Callable[[], Any]) -> Any:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, run: Callable[[], Any], scaler: Any = None) -> Any:
         """Lightning's optimizer step (``run``; the closure inside it runs the training step: the step starts
-        here) under the fault guard; then the step's coverage proof and the plan file. Returns what ``run`` did."""
+        here) under the fault guard; then the step's coverage proof and the plan file. Returns what ``run`` did.
+        ``scaler``: the precision plugin's GradScaler (``16-mixed``), whose inf/NaN verdict every rank then shares
+        (:func:`~lightning_sgdtp.sync.comm.found_inf_agreed`: a rank sees only its shards)."""
         engine = self.engine
         assert engine is not None
         engine.begin_step(self.step())
-        with self.guard("optimizer_step"), label(OPTIMIZER_LABEL):
+        with self.guard("optimizer_step"), label(OPTIMIZER_LABEL), comm.found_inf_agreed(scaler):
             out = run()
         engine.after_optimizer_step(optimizer, self.host.global_rank)
         self.steps += 1

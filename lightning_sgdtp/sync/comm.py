@@ -9,12 +9,14 @@ first wait (buckets travel back to back), and the results are copied back into t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_sgdtp.compiler.buckets import GradSlot, plan_buckets
 
@@ -111,3 +113,60 @@ def all_gather_object(guard: Callable[[str], Any], obj: Any) -> list[Any]:
     with guard("all_gather_object"):
         dist.all_gather_object(out, obj)
     return out
+
+
+@contextmanager
+def found_inf_agreed(scaler: Any, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Inside: ``scaler`` (a ``torch.amp.GradScaler``: Lightning's ``16-mixed``) checks and unscales the local
+    tensors of the gradients this rank holds, and its inf/NaN verdict is then MAX all-reduced over ``group`` (None:
+    every rank), so that a step is skipped on every rank or on none and the scale stays the same everywhere.
+
+    Each rank holds only part of the gradients: a shard of each (``sharding``), a tensor-parallel slice, its stages.
+    torch's own check fails in two ways there: DTensor reduces the verdict of one
+    ``_amp_foreach_non_finite_check_and_unscale_`` call by its *first* gradient's placement only (a replicated first
+    gradient, a parameter sharding keeps whole, left an inf in another parameter's shard to its holder, which skipped
+    the step while its peers stepped), and it refuses a call that mixes DTensor gradients with plain ones (tensor
+    parallel leaves the parameters it does not split plain). The scaler's method that both ``unscale_`` and a fused
+    optimizer's ``step`` call (``_unscale_grads_``) is replaced for the step only: the scaler pickles as it was.
+    Exactly one all-reduce per call on every rank, also on a rank that holds no gradient.
+    """
+    # (a disabled scaler never calls the replaced method: nothing to check for it here)
+    if scaler is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        yield
+        return
+
+    def agreed(
+        optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
+    ) -> dict[torch.device, Tensor]:
+        grads: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        with torch.no_grad():
+            for param_group in optimizer.param_groups:
+                for param in param_group["params"]:
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    if not allow_fp16 and grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    local = grad.to_local() if isinstance(grad, DTensor) else grad  # a view: unscaled in place
+                    if local.is_sparse:  # as torch does: duplicate indices summed first, then the values checked
+                        if local.dtype is torch.float16:
+                            param.grad = local = local.coalesce()
+                        local = local._values()
+                    grads.setdefault((local.device, local.dtype), []).append(local)
+            found = {device: found_inf.to(device, copy=True) for device, _ in grads}
+            for (device, _), tensors in grads.items():
+                inv = inv_scale.to(device, copy=True)
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv)
+        verdict = found_inf.new_zeros(())
+        for flag in found.values():
+            verdict = torch.maximum(verdict, flag.to(verdict.device, verdict.dtype).reshape(()))
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+        for flag in found.values():
+            flag.copy_(verdict.to(flag.device, flag.dtype).reshape(flag.shape))
+        return found or {verdict.device: verdict}  # no gradient here: the peers' verdict still decides the step
+
+    scaler._unscale_grads_ = agreed
+    try:
+        yield
+    finally:
+        del scaler._unscale_grads_
