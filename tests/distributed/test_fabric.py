@@ -111,6 +111,7 @@ def test_fabric_matches_ddp(name: str, tmp_path_factory: pytest.TempPathFactory)
     for cell in SCENARIOS[name]["cells"]:
         cell_name, options = cell["name"], cell["sgdtp"]
         rel = rel_update_diff(run["init"], run["ref"], run[cell_name])
+        print(f"{name}/{cell_name}: rel {rel:.2e}")
         if cell is NEGATIVE:
             assert rel > 0.1, f"{name}: the negative control matched ddp (rel {rel:.2e}): the check cannot fail"
             continue
@@ -127,10 +128,12 @@ def test_fabric_matches_ddp(name: str, tmp_path_factory: pytest.TempPathFactory)
         tol = 3e-2 if cell.get("precision") else GRAD_TOL
         for param, g in ref_grads.items():
             err = ((g - grads[param]).norm() / g.norm().clamp_min(1e-12)).item()
+            print(f"{name}/{cell_name}: first-step gradient of {param} differs by {err:.2e}")
             assert err < tol, f"{name}/{cell_name}: first-step gradient of {param} differs by {err:.2e}"
         if cell.get("compile_module") is not None:  # trained by the strategy's compile alone
             assert run["info"]["cells"][cell_name]["compiled_around"] is False, run["info"]["cells"][cell_name]
         totals = [h["total"] for h in run["info"]["cells"][cell_name]["held"]]
+        print(f"{name}/{cell_name}: held {totals} of replicated {replicated}: {max(totals) / replicated:.3f}")
         divided = options.get("sharding") or options.get("parallelism") in ("tensor", "hybrid")
         if options.get("parallelism") == "auto":  # what the planner chose, and the bytes held agree with it
             plan = run["info"]["cells"][cell_name]["plan"]

@@ -185,6 +185,10 @@ def test_zoo_model_trains_like_one_process(name: str, tmp_path_factory: pytest.T
     assert grad_error(r) < GRAD_TOL, f"{name}: first-step gradients differ by {grad_error(r):.3g}"
     rel = rel_update_diff(r["init"], r["ref"], r["sgdtp"])
     assert rel < REL_TOL, f"{name}: relative update difference {rel:.3g}"
+    print(
+        f"{name}: first-step gradients {grad_error(r):.2e}, update {rel:.2e}, each rank holds "
+        f"{[h['parameters'] / r['info']['whole_parameter_bytes'] for h in r['info']['held']]}"
+    )
     if name == "resnet_data":  # the BatchNorm running statistics moved, and as DDP's did
         stats = [k for k in r["ref"] if k.endswith("running_mean")]
         assert stats and all(not r["ref"][k].equal(r["init"][k]) for k in stats)

@@ -191,8 +191,10 @@ def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFac
     assert r["grads"].keys() == r["ref_grads"].keys()  # every parameter got its gradient on some stage
     for param, ref in r["ref_grads"].items():
         err = float((r["grads"][param] - ref).norm() / ref.norm().clamp_min(1e-12))
+        print(f"{name}: first-step gradient of {param} differs by {err:.2e} (relative)")
         assert err < GRAD_TOL[case.precision], f"{name}: first-step gradient of {param} differs by {err:.3g} (relative)"
     rel = rel_update_diff(r["init"], r["ref"], r["sgdtp"])
+    print(f"{name}: relative update difference {rel:.2e}")
     assert rel < REL_TOL[case.precision], f"{name}: relative update difference {rel:.3g}"
     assert torch.equal(r["sgdtp"]["model.tok_emb.weight"], r["sgdtp"]["model.lm_head.weight"])  # tie kept
     # what a pipeline is for: after fit a rank holds its stages' parameters and AdamW state, not every stage's
@@ -203,6 +205,7 @@ def test_parity_with_one_process(name: str, tmp_path_factory: pytest.TempPathFac
     # with tensor parallel a stage's parameters are split over its group too (and sharded over its replicas):
     # 1 / (pp x tp [x dp]) of the module, plus what stays whole (positions, norms: 2% of it)
     share = _held_share(case)
+    print(f"{name}: each rank holds {[h['parameters'] / whole for h in r['info']['held']]} of the parameter bytes")
     for held in r["info"]["held"]:
         assert held["parameters"] <= 1.25 * share * whole, (held, whole, share)
         assert held["optimizer"] <= 1.25 * share * 2 * whole, (held, whole, share)

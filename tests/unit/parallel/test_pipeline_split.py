@@ -522,6 +522,7 @@ def test_t5_is_cut_along_its_encoder_and_decoder(layers: int, cut: list[str]) ->
     whole = split.whole_blocks()
     assert whole == [f"model.{s}.block.{i}" for s in ("encoder", "decoder") for i in range(layers)]
     every_cut = [max(stage_fractions(module, plan_pipeline_split(module, 2, split_points=[b]))) for b in whole[1:]]
+    print(f"t5 {layers} + {layers} blocks: the stages hold {held}; best whole-block cut, larger stage {min(every_cut)}")
     if cut:
         assert max(held) < 0.95 * min(every_cut), "a cut inside a block is taken only when it gains >= 5%"
         assert any(f"{cut[0]} is cut between its layers" in line for line in split.describe())
