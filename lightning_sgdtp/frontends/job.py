@@ -218,10 +218,25 @@ class Job:
 
     # ---------------------------------------------------------------------------------------------------- setup
     def prepare(self, module: nn.Module) -> None:
-        """Every rank starts from rank 0's weights; the training settings the options ask for are applied (and
-        undone at teardown)."""
-        start_from_rank_0(module, BROADCAST_BUCKET_BYTES)
+        """Every rank starts from rank 0's weights, unless the ranks hold parts of this module from an earlier
+        trainer function (:meth:`holds_parts`); the training settings the options ask for are applied (and undone
+        at teardown)."""
+        if not self.holds_parts(module):
+            start_from_rank_0(module, BROADCAST_BUCKET_BYTES)
         self.settings = model_settings.for_training(module, self.report.say)
+
+    def holds_parts(self, module: nn.Module) -> bool:
+        """Whether the ranks hold parts of ``module`` left by an earlier trainer function on it (a pipeline's
+        released stages, after ``fit``): each keeps its values, as a module on its mesh does. Rank 0's copy of the
+        other stages is released or stale, and the tensors each rank still holds differ (its stages), so a broadcast
+        from rank 0 would send another list than the others receive (a collective mismatch) or overwrite trained
+        stages with stale ones. Agreed by every rank (a collective, with a pipeline only): one rank's part is all
+        ranks' answer."""
+        if self.dims is None or not self.dims.pp_enabled:  # only a pipeline's ranks hold parts: no collective else
+            return False
+        engine = self.engine
+        mine = engine is not None and engine.module is module and engine.holds_a_part
+        return any(self.all_gather_object(mine))
 
     def on_meta(self, empty_init: bool | None) -> bool:
         """Whether the strategy's init context builds on the meta device: asked for (``init_module(empty_init=True)``)

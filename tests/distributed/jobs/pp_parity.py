@@ -2,11 +2,12 @@
 
 Usage: python tests/distributed/jobs/pp_parity.py OUT_DIR [SCENARIO], with the scenario (JSON; else
 OUT_DIR/scenario.json) = {"devices": N, "phases": [SGDTPStrategy kwargs, ...], "trainer": Trainer kwargs,
-"samples": dataset size}. As ``tp_parity.py``: the
+"samples": dataset size, "validate_after_fit": bool}. As ``tp_parity.py``: the
 launching process trains the reference on one device (global batch = dp x per-rank batch, Lightning's shuffled
 order), then Lightning's launcher starts the ranks. Every rank sends the tensors its stages hold; rank 0 merges
 them into full ``sgdtp.pt`` / ``grads.pt`` (first step) and writes ``info.json`` (plans, every rank's logged
-metrics). With two phases the job saves after the first and resumes in a second ``fit``.
+metrics). With two phases the job saves after the first and resumes in a second ``fit``. With ``validate_after_fit``
+each ``fit`` is followed by ``save_checkpoint`` and ``validate(ckpt_path=...)`` (as ``examples/train_gpt.py``).
 """
 
 from __future__ import annotations
@@ -75,14 +76,18 @@ def main(out: Path) -> None:
         ref = quiet_trainer("auto", out / "ref", devices=1, callbacks=[ref_grads], **trainer_kwargs)
         train, val = token_data(samples), token_data(samples, batch_size=global_batch)
         ref.fit(ref_model, shuffled_like_lightning(train, global_batch), val)
-        (out / "ref_metrics.json").write_text(json.dumps(metrics(ref)))
+        ref_metrics = metrics(ref)
+        if scenario.get("validate_after_fit"):  # the final weights' validation, for the ranks' after their fit
+            (after,) = ref.validate(ref_model, val, verbose=False)
+            ref_metrics.update({f"after_fit_{k}": float(v) for k, v in after.items()})
+        (out / "ref_metrics.json").write_text(json.dumps(ref_metrics))
         torch.save(params(ref_model), out / "ref.pt")
         torch.save(ref_grads.grads, out / "ref_grads.pt")
 
     L.seed_everything(0, verbose=False)
     model = pp_gpt()
     first = FirstStepGrads(local=lambda trainer: {id(p) for p in runner(trainer.strategy).local_parameters})
-    plans, logged = [], []
+    plans, logged, validated = [], [], []
     ckpt = out / "ckpt" / "phase0.ckpt"
     for i, kwargs in enumerate(phases):
         strategy = SGDTPStrategy(**kwargs, plan_file=str(out / f"sgdtp{i}" / "sgdtp_plan.json"))  # no logger: asked for
@@ -101,8 +106,16 @@ def main(out: Path) -> None:
         )
         plans.append(strategy.plan)
         logged.append(metrics(run))
-        final = gather_full(local_state(strategy, model))
         held = held_bytes(model, run.optimizers)  # after fit a rank holds its stages only (issue 24)
+        if scenario.get("validate_after_fit"):
+            # as examples/train_gpt.py: save, then validate from that checkpoint while each rank holds its stages
+            # only (a second trainer function on the module: its weights must stay the ranks' trained stages)
+            saved = out / "ckpt" / f"final{i}.ckpt"
+            run.save_checkpoint(saved)
+            val_data = token_data(samples, batch_size=per_rank)
+            (after,) = run.validate(model, val_data, ckpt_path=str(saved), verbose=False)
+            validated.append({k: float(v) for k, v in after.items()})
+        final = gather_full(local_state(strategy, model))  # after validate_after_fit: the weights it left
         # asked for, the module is whole on every rank (each stage sent by its holder)
         strategy.gather_pipeline_stages()
         whole = all(torch.equal(full(v), final[k]) for k, v in model.state_dict().items())
@@ -118,10 +131,13 @@ def main(out: Path) -> None:
     dist.all_gather_object(wholes, whole)
     helds: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(helds, held)
+    after_fit: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(after_fit, validated)
     if run.global_rank == 0:
         torch.save(final, out / "sgdtp.pt")
         torch.save(step_grads, out / "grads.pt")
         info = {"plans": plans, "ckpt": str(ckpt), "metrics": every_rank, "whole_on_every_rank": wholes, "held": helds,
+                "validated_after_fit": after_fit,
                 "whole_parameter_bytes": held_bytes(pp_gpt(), [])["parameters"]}  # fmt: skip
         (out / "info.json").write_text(json.dumps(info, default=str))
 
