@@ -13,8 +13,10 @@ Two details that cost correctness if missed:
   settings (``_CacheSalt``, part of the Inductor config both caches hash), and keep AOTAutograd's cache off
   unless the strategy's compile cache asks for it (a hit skips our pass: its ``GraphBuckets`` are then restored
   from the cache).
-- Inductor's default scheduling pulls each ``wait_tensor`` right after its all-reduce. The overlap
-  passes (``sink_waits_iterative`` and friends) keep the waits where the pass put them.
+- The waits are placed by our pass, not by Inductor: in torch 2.13 its default scheduler leaves each
+  ``wait_tensor`` where :func:`insert_bucketed_allreduce` put it (benchmarks/README.md, "Plugin issues found by the
+  first benchmark run", finding 1), as late as possible with overlap, right after its all-reduce without. The
+  overlap passes (``sink_waits_iterative`` and friends) keep them there.
 """
 
 from __future__ import annotations

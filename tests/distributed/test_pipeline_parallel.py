@@ -102,7 +102,7 @@ CASES = {
         {"gradient_clip_val": 0.3, **VAL},
     ),
     # the planner's schedules with the 3-D layouts: interleaved 1F1B (2 stages per rank) with tensor parallel and
-    # with sharding (measured: first-step gradients 4.1e-7 / 6.0e-7, update 8.6e-5 / 8.0e-6)
+    # with sharding (measured: benchmarks/results/pipeline_2026-12-05.txt)
     "interleaved_pp2_tp2": Case(
         "interleaved 1F1B (4 stages, 2 per rank) x tp=2 on 4 ranks, clipping",
         4,
