@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import struct
+import warnings
 from collections.abc import Callable, Collection, Sequence
 from functools import partial
 from pathlib import Path
@@ -129,7 +130,10 @@ def load(
 
     state = {MODEL_KEY: get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state[MODEL_KEY])
+    with warnings.catch_warnings():
+        if partial_optimizer:  # a pipeline rank after fit: the other stages' parameters are released (meta) here
+            warnings.filterwarnings("ignore", message=".*to a meta parameter in the current model, which is a no-op")
+        set_model_state_dict(model, state[MODEL_KEY])
     saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     for i, optimizer in enumerate(optimizers):
         optim_state = {optimizer_key(i): get_optimizer_state_dict(model, optimizer)}
