@@ -21,6 +21,7 @@ the job's own c10d ``TCPStore`` (the rendezvous store):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -82,6 +83,12 @@ class PeerState:
 
     def who(self) -> str:
         return f"rank {self.rank} (host {self.host}, pid {self.pid})"
+
+    @classmethod
+    def read(cls, rank: int, fields: dict[str, Any]) -> PeerState:
+        """A peer's state from what it wrote to the store (its beat, failure and done records merged); a field it
+        has not written keeps its default."""
+        return cls(rank, **{f.name: fields[f.name] for f in dataclasses.fields(cls)[1:] if f.name in fields})
 
 
 def is_distributed_error(exc: BaseException) -> bool:
@@ -239,13 +246,7 @@ class Liveness(ProcessBound):
     def _end_for_silence(self, store: dist.TCPStore, silent: list[tuple[int, float, dict[str, Any]]]) -> None:
         parts = []
         for rank, quiet, beat in silent:
-            peer = PeerState(
-                rank,
-                beat.get("host", "?"),
-                beat.get("pid", -1),
-                phase=beat.get("phase", "starting"),
-                step=beat.get("step", -1),
-            )
+            peer = PeerState.read(rank, beat)
             who, where = peer.who(), peer.where()
             what = "the rendezvous store it hosts does not answer" if beat.get("store") else "no heartbeat"
             parts.append(
@@ -370,17 +371,7 @@ class Liveness(ProcessBound):
                 key = self._key(what, rank)
                 if store.check([key]):
                     fields.update(json.loads(store.get(key)))
-            peers[rank] = PeerState(
-                rank=rank,
-                host=fields.get("host", "?"),
-                pid=fields.get("pid", -1),
-                seq=fields.get("seq", -1),
-                phase=fields.get("phase", "starting"),
-                step=fields.get("step", -1),
-                failure=fields.get("failure"),
-                primary=fields.get("primary", True),
-                done=fields.get("done", False),
-            )
+            peers[rank] = PeerState.read(rank, fields)
         return peers
 
     def diagnose(self, exc: BaseException) -> RankLostError | None:
