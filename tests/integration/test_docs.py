@@ -360,17 +360,27 @@ def figures(text: str) -> list[str]:
     return [m.group().strip() for m in FIGURE.finditer(text)]
 
 
+def links_and_spans(text: str) -> tuple[list[str], list[str]]:
+    """A text's relative link targets and the contents of its code spans."""
+    links = [t for t in re.findall(r"\]\(([^)\s]+)", text) if not EXTERNAL.match(t)]
+    return links, [m.group()[1:-1].strip("` ") for m in CODE_SPAN.finditer(text)]
+
+
+def says_not_measured(text: str) -> bool:
+    """Words outside code that say a figure is no measurement ("untested", "not measured", "example")."""
+    return bool(SOURCE_WORDS.search(CODE_SPAN.sub(" ", text)))
+
+
 def names_source(text: str) -> bool:
     """Whether a text names where its figures come from: a link or a code span naming a file under tests/,
     benchmarks/ or tools/ (or the support matrix, docs/model-support.md), a command in a code span, or words that
-    say the figure is not a measurement ("untested", "not measured", "example")."""
-    links = [t for t in re.findall(r"\]\(([^)\s]+)", text) if not EXTERNAL.match(t)]
-    spans = [m.group()[1:-1].strip("` ") for m in CODE_SPAN.finditer(text)]
+    say the figure is not a measurement (:func:`says_not_measured`)."""
+    links, spans = links_and_spans(text)
     return (
         any(SOURCE_PATH.search(" " + t) or SOURCE_DOC.search(t) for t in links)
         or any(SOURCE_PATH.search(" " + s) or SOURCE_COMMAND.match(s + " ") or SOURCE_DOC.search(s) for s in spans)
         or any(re.split(r"[\s:]", s)[0] in SOURCE_FILES for s in spans)
-        or bool(SOURCE_WORDS.search(CODE_SPAN.sub(" ", text)))
+        or says_not_measured(text)
     )
 
 
@@ -464,11 +474,11 @@ def in_numbers(figure: str, numbers: list[float]) -> bool:
 def cited_files(text: str, page: Path) -> list[Path]:
     """The repository files a text cites: relative links, paths in code spans, and the scripts its commands run."""
     found: list[Path] = []
-    targets = [t for t in re.findall(r"\]\(([^)\s]+)", text) if not EXTERNAL.match(t)]
-    for target in targets:
+    links, spans = links_and_spans(text)
+    for target in links:
         file = (page.parent / target.partition("#")[0]).resolve()
         found += [file] if file.is_file() else []
-    for span in (m.group()[1:-1].strip("` ") for m in CODE_SPAN.finditer(text)):
+    for span in spans:
         for word in re.split(r"[\s:]", span):
             file = REPO / word
             found += [file] if word and file.is_file() else []
@@ -483,7 +493,7 @@ def test_every_figure_is_in_its_saved_result() -> None:
     its unit or in the file's (seconds shown as minutes, bytes as GiB, a fraction as a percentage)."""
     checked, missing = 0, []
     for unit, found, generated in stated_figures():
-        if SOURCE_WORDS.search(CODE_SPAN.sub(" ", unit.text)):
+        if says_not_measured(unit.text):
             continue
         checked += 1
         files = cited_files(f"{unit.text}\n{unit.context}\n{generated}", unit.path)
