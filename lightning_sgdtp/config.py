@@ -296,6 +296,12 @@ class SGDTPConfig:
         """The planner chooses the layout at setup (``parallelism="auto"``)."""
         return self.parallelism == "auto"
 
+    @property
+    def sizes_tp_from_model(self) -> bool:
+        """``parallelism="hybrid"`` with an automatic ``tensor_parallel_size``: the size is the largest inside one
+        fast-link island that divides the model's query heads, so the layout waits for the model (setup)."""
+        return self.parallelism == "hybrid" and self.tensor_parallel_size in (None, "auto")
+
     def _check_watch(self) -> None:
         for name, example in (("heartbeat_timeout", 15), ("stall_timeout", 600)):
             value = getattr(self, name)

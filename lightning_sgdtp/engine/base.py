@@ -130,7 +130,10 @@ class StepEngine(ABC):
         from lightning_sgdtp.engine.materialize import has_meta, materialize
 
         config = self.config
-        if self.materialized is not None or (config.pretrained is None and not has_meta(self.module)):
+        if self.materialized is not None:
+            return
+        if config.pretrained is None and not has_meta(self.module):
+            self._say_built_whole()
             return
         with self.guard("setup: materialize and load pretrained weights"):
             self.materialized = materialize(
@@ -138,6 +141,20 @@ class StepEngine(ABC):
             )
         for line in self.materialized.describe():
             self.report.say(line)
+
+    def _say_built_whole(self) -> None:
+        """Once: the model came whole to a layout that divides it (every rank built all of it before the split)."""
+        divides = self.dims.tp_enabled or self.dims.pp_enabled or self.config.sharding == "full"
+        if not divides or getattr(self, "_said_whole", False):
+            return
+        self._said_whole = True
+        whole = sum(p.numel() * p.element_size() for p in {id(p): p for p in self.module.parameters()}.values())
+        self.report.say(
+            f"setup: the model was built whole on every rank ({whole / 2**30:.2f} GiB of parameters each) before the"
+            " split, which then freed all but each rank's part: the setup peak is the whole model. To allocate only"
+            " each rank's part, build it under trainer.init_module(empty_init=True) (fabric.init_module), or give"
+            " pretrained=<a Hugging Face folder> (docs/big-models.md)"
+        )
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """After Lightning made the optimizers (fitting): their update, and the timeline if asked for."""

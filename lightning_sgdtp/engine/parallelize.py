@@ -60,7 +60,9 @@ from lightning_sgdtp.parallel.tensor.plan import (
     TensorPlanError,
     apply_tensor_parallel,
     auto_plan,
+    check_heads,
     coverage,
+    repeat_key_value_heads,
     resolve_plan,
 )
 
@@ -215,7 +217,7 @@ def plan_part(
     dp_sync = skipped != "dp-sync"
     tensor_plan = None
     if dims.tp_enabled and not stage and not is_tensor_parallel(module):  # fit, then validate/test: split once
-        tensor_plan = _tensor_plan(config, dims.tp, module, device_type)
+        tensor_plan = _tensor_plan(config, dims.tp, module, device_type, dims.world_size // dims.pp)
     sharding = None
     if config.sharded and (stage or not is_sharded(module)):
         sharding = ShardSettings(
@@ -331,12 +333,15 @@ def _debug_skip_sync(config: SGDTPConfig) -> str | None:
     return None
 
 
-def _tensor_plan(config: SGDTPConfig, tp: int, module: nn.Module, device_type: str) -> TensorPlan:
+def _tensor_plan(config: SGDTPConfig, tp: int, module: nn.Module, device_type: str, ranks: int) -> TensorPlan:
+    """The tensor plan of ``module`` over ``tp`` ranks (of the ``ranks`` one stage has), or an error that names the
+    sizes that work."""
     # sequence_parallel=None is off on every device: gloo runs its reduce-scatter as a full all-reduce, and NCCL, where
     # it would pay, has never run it (docs/hardware.md). Only sequence_parallel=True turns it on.
     sequence = config.sequence_parallel is True
     try:
         plan = resolve_plan(module, config.tp_plan, tp) if config.tp_plan else auto_plan(module, tp, sequence)
+        check_heads(plan, ranks)
     except TensorPlanError as exc:
         raise SGDTPConfigError(str(exc)) from exc
     if config.sequence_parallel and not plan.sequence_blocks:
@@ -383,6 +388,7 @@ def parallelize(
     done = Parallelized()
     # 1. tensor parallel: every later step sees the split parameters
     if plan.tensor_plan is not None:
+        repeat_key_value_heads(part, plan.tensor_plan)  # first, and outside the recorded hooks: a pipeline traces it
         with recording_hooks(part):  # a pipeline's stages, traced later, take the same hooks
             apply_tensor_parallel(part, plan.tensor_plan, dims.tp_mesh)
     elif plan.tensor_from_whole:

@@ -196,7 +196,9 @@ class SGDTPStrategy(FrontEnd, ParallelStrategy):
         env = self.cluster_environment
         requeue = isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None
         self._job.start(default_backend(self.root_device), env.requeue_signal if requeue else None)
-        if not self._job.config.planned:  # "auto" plans in setup: after configure_model built the model
+        # "auto" plans in setup, after configure_model built the model; so does an automatic tensor-parallel size
+        # (the largest that divides the model's query heads)
+        if not self._job.config.planned and not self._job.config.sizes_tp_from_model:
             self._job.lay_out(lambda: self.lightning_module, self.precision_plugin.precision)
 
     def set_world_ranks(self) -> None:

@@ -26,6 +26,7 @@ Data parallel alone has no grid: every rank is a replica, the data-parallel grou
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,10 +173,13 @@ class ParallelDims:
         devices_per_node: int,
         num_nodes: int = 1,
         topology: Topology | None = None,
+        fits: Callable[[int], bool] | None = None,
     ) -> ParallelDims:
         """The dimensions the options ask for on this cluster, or an error that says why not.
 
         Without ``topology`` (before any process starts) only the sizes are checked; with it, the grid is built.
+        ``fits``: whether the model splits over a tensor-parallel size (its query heads divide): an automatic size
+        is the largest one inside a fast-link island that fits.
         """
         base = {"world_size": world_size, "devices_per_node": devices_per_node, "num_nodes": num_nodes}
         if config.pipelined:
@@ -185,7 +189,7 @@ class ParallelDims:
             tp = (
                 1
                 if config.parallelism in ("data", "auto")
-                else tensor_parallel_size(config, per_stage, devices_per_node, None)
+                else tensor_parallel_size(config, per_stage, devices_per_node, None, fits)
             )
             if config.parallelism in ("tensor", "hybrid") and tp == 1:
                 why = "leaves one rank per stage" if per_stage == 1 else "gives a tensor-parallel size of 1"
@@ -211,7 +215,7 @@ class ParallelDims:
             grid = [[r] for r in range(world_size)] if config.sharded else None
             shard = hybrid_shard_size(config, world_size, devices_per_node)
             return cls(**base, **_data_parallel(config, world_size, shard), grid=grid)
-        tp = tensor_parallel_size(config, world_size, devices_per_node, topology)
+        tp = tensor_parallel_size(config, world_size, devices_per_node, topology, fits)
         shard = hybrid_shard_size(config, world_size // tp, max(devices_per_node // tp, 1))  # "node": dp ranks of one
         sizes = cls(**base, **_data_parallel(config, world_size // tp, shard), tp=tp)  # checked before the topology
         if topology is None:
@@ -223,15 +227,21 @@ class ParallelDims:
 
     @classmethod
     def for_cluster(
-        cls, config: SGDTPConfig, world_size: int, devices_per_node: int, num_nodes: int, device_type: str
+        cls,
+        config: SGDTPConfig,
+        world_size: int,
+        devices_per_node: int,
+        num_nodes: int,
+        device_type: str,
+        fits: Callable[[int], bool] | None = None,
     ) -> tuple[ParallelDims, list[str]]:
         """The dimensions on the running cluster (the topology read for tensor parallel), their meshes built, and
-        their log lines. Every rank must call it (the meshes are collectives)."""
+        their log lines. Every rank must call it (the meshes are collectives). ``fits``: as for :meth:`resolve`."""
         from lightning_sgdtp.mesh import topology
 
         tensor = not config.pipelined and config.parallelism != "data"
         topo = topology.detect(device_type, devices_per_node, num_nodes) if tensor else None
-        dims = cls.resolve(config, world_size, devices_per_node, num_nodes, topo).build_meshes(device_type)
+        dims = cls.resolve(config, world_size, devices_per_node, num_nodes, topo, fits).build_meshes(device_type)
         lines = [f"topology: {topo.describe()}"] if topo is not None else []
         if dims.on_mesh:
             lines.append(dims.describe(config))
@@ -392,7 +402,12 @@ class ParallelDims:
         return (
             f"mesh dp={self.dp} x tp={self.tp}: tensor-parallel groups {self.grid} (rows, each inside one node);"
             " data parallel across rows"
-            + (" (tensor_parallel_size='auto': one fast-link island)" if auto else "")
+            + (
+                " (tensor_parallel_size='auto': one fast-link island, or the largest part of one that divides every"
+                " attention's query heads)"
+                if auto
+                else ""
+            )
             + hybrid
         )
 
@@ -437,8 +452,16 @@ def pipeline_size(requested: int | None, world_size: int, num_nodes: int) -> int
     return pp
 
 
-def tensor_parallel_size(config: SGDTPConfig, world_size: int, devices_per_node: int, topology: Topology | None) -> int:
-    """Turn the user's ``tensor_parallel_size`` (an int, ``"auto"`` or None) into a size, or explain why not."""
+def tensor_parallel_size(
+    config: SGDTPConfig,
+    world_size: int,
+    devices_per_node: int,
+    topology: Topology | None,
+    fits: Callable[[int], bool] | None = None,
+) -> int:
+    """Turn the user's ``tensor_parallel_size`` (an int, ``"auto"`` or None) into a size, or explain why not.
+    ``fits``: whether the model splits over a size (``parallelism="hybrid"``'s automatic size is the largest divisor
+    of one fast-link island that fits: 4 for 12 query heads on an island of 8)."""
     requested = config.tensor_parallel_size
     auto = requested in (None, "auto")
     if config.parallelism == "tensor":
@@ -457,6 +480,8 @@ def tensor_parallel_size(config: SGDTPConfig, world_size: int, devices_per_node:
             )
         return tp
     tp = (topology.auto_tp_size() if topology is not None else devices_per_node) if auto else int(requested)
+    if auto and fits is not None:
+        tp = max(d for d in divisors(tp) if world_size % d == 0 and (d == 1 or fits(d)))
     if world_size % tp:
         raise SGDTPConfigError(
             f"tensor_parallel_size={tp} does not divide the world size {world_size}"

@@ -328,6 +328,8 @@ def plan(
         sizes = {k: v for k, v in fixed.items() if k in ("dp", "tp", "pp", "sharding")}
         if any(getattr(candidate.layout, k) != v for k, v in sizes.items()):
             continue  # a layout the user's options exclude, listed or not
+        if candidate.built and not candidate.skipped and candidate.layout.tp > 1 and model.heads % candidate.layout.tp:
+            candidate.skipped = f"tp={candidate.layout.tp} does not divide the {model.heads} query heads"
         if candidate.skipped and candidate.built:
             result.candidates.append(candidate)
             continue

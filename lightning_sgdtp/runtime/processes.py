@@ -71,6 +71,16 @@ def join(
     return watchdog
 
 
+def splits_heads(module: nn.Module | None) -> Callable[[int], bool] | None:
+    """Whether ``module``'s attentions split over a tensor-parallel size (every query head count divides it); None
+    without a module with parameters (the size is then the island's, checked when the plan is made)."""
+    if module is None or next(module.parameters(), None) is None:
+        return None
+    from lightning_sgdtp.parallel.tensor.plan import auto_plan
+
+    return lambda tp: not auto_plan(module, tp).indivisible_heads
+
+
 def lay_out(
     config: SGDTPConfig,
     given: set[str],
@@ -92,6 +102,6 @@ def lay_out(
         config, planner, lines = plan_at_setup(*args, fixed=fixed)
     if dims is None:  # sizes, the rank grid (topology), every mesh: built once, one line each
         args2 = (config, cluster.world_size, cluster.num_processes, cluster.num_nodes, device.type)
-        dims, more = ParallelDims.for_cluster(*args2)
+        dims, more = ParallelDims.for_cluster(*args2, fits=splits_heads(module()))
         lines += more
     return config, planner, dims, lines

@@ -287,6 +287,16 @@ ZOO: dict[str, ZooEntry] = {
     "qwen2": ZooEntry(
         _hf("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2), "tokens", "transformers Qwen2ForCausalLM (GQA)"
     ),
+    # fewer key/value heads than a 4-rank tensor-parallel group (issue 55): grouped-query (2) and multi-query (1)
+    "llama_gqa": ZooEntry(
+        _hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2), "tokens", "transformers LlamaForCausalLM (GQA)"
+    ),
+    "llama_mq": ZooEntry(
+        _hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=1), "tokens", "transformers LlamaForCausalLM (MQA)"
+    ),
+    "qwen2_mq": ZooEntry(
+        _hf("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=1), "tokens", "transformers Qwen2ForCausalLM (MQA)"
+    ),
     "mistral": ZooEntry(
         _hf("MistralConfig", "MistralForCausalLM", num_key_value_heads=2, sliding_window=8),
         "tokens",

@@ -2,10 +2,11 @@
 
 A transformers model computes a few values once, before its block stack, and gives them to every block: the
 rotary ``cos``/``sin``, the attention mask, the position ids. Traced by ``torch.distributed.pipelining``, they are
-outputs of stage 0 that stages 1, 2, 3 ... each receive straight from stage 0. A schedule with one stage per rank
-sends them point to point. The interleaved schedules (``PipelineScheduleMulti``: ``interleaved_1f1b``) refuse it:
-"only supports adjacent-stage communication" (torch 2.13), so an unchanged Llama or GPT-2 could not be trained
-with them.
+outputs of stage 0 that stages 1, 2, 3 ... each receive straight from stage 0. torch 2.13 trains neither way:
+the interleaved schedules (``PipelineScheduleMulti``: ``interleaved_1f1b``) refuse it ("only supports
+adjacent-stage communication"), and with one stage per rank a value sent to several stages fails at the first
+backward ("Backward of skip connections not supported yet", ``stage.py``): an unchanged Llama, Qwen2 or GPT-2 could
+not be trained on 3 or more stages.
 
 :func:`carry_stage_inputs` edits torch's split graph before the stages are built: a value made by stage ``i`` and
 read by stage ``j > i + 1`` becomes an extra input and an extra output (the same tensor, unchanged) of every stage
@@ -122,10 +123,9 @@ class _Stage:
         return carried
 
 
-def carry_stage_inputs(split_gm: fx.GraphModule, outputs: bool = True) -> list[str]:
+def carry_stage_inputs(split_gm: fx.GraphModule) -> list[str]:
     """Rewrite torch's split graph so that stage 0 reads every model input a stage reads and each later stage only
-    what the stage before it sends; ``outputs=False`` (one stage per rank: point to point from any stage) carries
-    model inputs only. Returns what was carried (``"submod_0 output getitem_1 -> stage 3 (through 1, 2)"``), for
+    what the stage before it sends, with every schedule. Returns what was carried (``"submod_0 output getitem_1 -> stage 3 (through 1, 2)"``), for
     the plan."""
     calls = _stage_calls(split_gm)
     index = {call: i for i, call in enumerate(calls)}
@@ -142,7 +142,7 @@ def carry_stage_inputs(split_gm: fx.GraphModule, outputs: bool = True) -> list[s
                 stages[0].take_model_input(value, inputs)
                 edited.add(0)
                 source = -1
-            elif producer is None or index[producer] >= j - 1 or not outputs:
+            elif producer is None or index[producer] >= j - 1:
                 continue
             else:
                 source = index[producer]

@@ -246,9 +246,10 @@ class PipelineRunner:
                 ) from exc
         self.boundaries = make_boundaries_contiguous(pipe.split_gm)
         rename_self_nodes(pipe.split_gm)  # BERT's attention.self: FX's generated code would shadow `self`
-        # Stage 0 gets the micro-batch, and torch's multi-stage schedules send between adjacent stages only: model
-        # inputs always go through the stages before the one that reads them; stage outputs with several per rank.
-        self.carried = carry_stage_inputs(pipe.split_gm, outputs=len(self.stage_ids) > 1)
+        # Stage 0 gets the micro-batch, torch's multi-stage schedules send between adjacent stages only, and its
+        # backward refuses a value one stage sends to several ("skip connections", 4 stages of a Llama): model inputs
+        # and stage outputs go through the stages before the one that reads them.
+        self.carried = carry_stage_inputs(pipe.split_gm)
         if pipe.num_stages != self.num_stages:
             raise PipelineContractError(
                 f"the traced forward cut into {pipe.num_stages} stages, not {self.num_stages}: the blocks"

@@ -37,6 +37,13 @@ STYLES = ("colwise", "rowwise", "colwise_gather", "experts", "replicate", "seque
 #: Set by the automatic plan only.
 HEAD_NORM = "head_norm"
 NORMS = (nn.LayerNorm, nn.RMSNorm)
+#: The key and value projections of an attention whose key/value heads tp does not divide (grouped-query attention with
+#: fewer key/value heads than tp, multi-query): replicated on the mesh, their output a replicated DTensor, while the
+#: query heads and the output projection are split (styles.ReplicatedKeyValue). Set by the automatic plan only.
+KV_REPLICATED = "kv_replicated"
+#: Attributes that give an attention's head width (transformers 5 keeps no head counts on the module: the counts are
+#: its projections' widths over it).
+HEAD_DIM_ATTRS = ("head_dim", "head_size")
 
 # Leaf names of linear layers that read the block's input (column-parallel) and write its output (row-parallel).
 IN_NAMES = {
@@ -59,7 +66,7 @@ KV_HEAD_COUNT_ATTRS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_k
 
 
 class TensorPlanError(ValueError):
-    """A ``tp_plan`` that cannot be applied. The message names the module and the fix."""
+    """A ``tp_plan`` (or a tensor-parallel size) that cannot be applied. The message names the module and the fix."""
 
 
 @dataclass
@@ -78,6 +85,12 @@ class TensorPlan:
     notes: dict[str, str] = field(default_factory=dict)
     #: What the plan divides, counted from the module's parameters (:func:`coverage`); empty until measured.
     coverage: dict[str, Any] = field(default_factory=dict)
+    #: Attentions whose key/value projections are replicated (``KV_REPLICATED``): ``{module: (key/value heads,
+    #: heads after repeating, head width)}``; the module's ``num_key_value_groups`` becomes ``heads / repeated``.
+    expanded_kv: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    #: Query head counts tp does not divide, each with the first attention module that has it (refused at setup:
+    #: :func:`check_heads`).
+    indivisible_heads: dict[int, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,7 +105,8 @@ class TensorPlan:
 
     def describe(self) -> list[str]:
         """One line per decision, for rank 0's log."""
-        counts = {s: sum(1 for v in self.styles.values() if v == s) for s in (*STYLES, HEAD_NORM) if s != "replicate"}
+        shown = (*STYLES, HEAD_NORM, KV_REPLICATED)
+        counts = {s: sum(1 for v in self.styles.values() if v == s) for s in shown if s != "replicate"}
         head = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
         lines = [f"tensor-parallel plan ({self.source}, tp={self.tp}): {head or 'nothing sharded'}"]
         for name, style in self.styles.items():
@@ -138,6 +152,28 @@ def _heads(module: nn.Module, attrs: tuple[str, ...] = HEAD_COUNT_ATTRS) -> int 
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def head_counts(
+    parent: nn.Module, shapes: dict[str, tuple[int, int]], ins: list[str], width_in: int
+) -> tuple[int | None, int | None]:
+    """``(query heads, key/value heads)`` of an attention module (None where unknown): its attributes (``num_heads``,
+    ``num_key_value_heads``, ...), else its projections' widths over its head width (transformers 5: ``head_dim``;
+    ``width_in``: what the output projection reads, every query head; a key/value projection writes ``kv x head_dim``),
+    else its ``config`` (a fused projection). A module without head attributes is not an attention: (None, None)."""
+    heads, kv = _heads(parent), _heads(parent, KV_HEAD_COUNT_ATTRS)
+    head_dim = _heads(parent, HEAD_DIM_ATTRS)
+    if head_dim is None or (heads is not None and kv is not None):
+        return heads, kv if kv is not None or heads is None else heads
+    config = getattr(parent, "config", None)
+    if heads is None:
+        heads = width_in // head_dim if width_in % head_dim == 0 else getattr(config, "num_attention_heads", None)
+    narrow = {shapes[n][1] for n in ins if shapes[n][1] < width_in}
+    if kv is None and len(narrow) == 1 and (width := narrow.pop()) % head_dim == 0:
+        kv = width // head_dim
+    if kv is None:
+        kv = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv
 
 
 def _inside(name: str, prefixes: list[str]) -> bool:
@@ -192,19 +228,25 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
         # split by output features like the others: its output stays a DTensor, which DTensor gathers where the
         # model splits it into its parts (the weights are divided; the parts are not each split by head).
         fused = [n for n in ins if shapes[n][1] > width_in]
-        # Key/value heads that do not divide tp (multi-query: one) cannot be split by head. Separate k/v layers stay
-        # whole; a fused projection is still split (its weight divided), and DTensor gathers its output where the
-        # model splits it, so the attention between runs whole on each rank (Falcon's multi-query default).
-        kv_heads = _heads(parent, KV_HEAD_COUNT_ATTRS)
+        # Key/value heads that do not divide tp (grouped-query attention with fewer key/value heads than tp;
+        # multi-query: one) cannot be split by head. Separate k/v layers are replicated on the mesh (every rank
+        # computes every key/value head; its query heads read theirs); a fused projection is still split (its weight
+        # divided), and DTensor gathers its output where the model splits it, so the attention between runs whole on
+        # each rank (Falcon's multi-query default).
+        heads, kv_heads = head_counts(parent, shapes, ins, width_in)
         kv_whole = kv_heads is not None and kv_heads % tp != 0
+        key_value = (
+            _replicable_key_value(parent, shapes, ins, width_in, heads, kv_heads) if kv_whole and not fused else []
+        )
         why = None
         if any(shapes[n][0] != width for n in ins):
             why = f"input layers {ins} do not read the width {width} that {outs[0]} writes"
-        elif any(shapes[n][1] % tp for n in ins) or width_in % tp:
+        elif any(shapes[n][1] % tp for n in ins if n not in key_value) or width_in % tp:
             why = f"feature sizes {[shapes[n][1] for n in ins]} / {width_in} not divisible by tp={tp}"
-        elif (heads := _heads(parent)) is not None and heads % tp:
+        elif heads is not None and heads % tp:
             why = f"{heads} heads are not divisible by tp={tp}"
-        elif kv_whole and not fused:
+            plan.indivisible_heads.setdefault(heads, parent_name)
+        elif kv_whole and not fused and not key_value:
             why = f"{kv_heads} key/value heads are not divisible by tp={tp}"
         members = [prefix + n for n in ins + outs]
         paired.update(members)
@@ -212,7 +254,24 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
             for n in members:
                 plan.replicated[n] = why
             continue
+        if key_value:
+            assert heads is not None and kv_heads is not None
+            # Each rank's query heads must read one key/value head per expanded head: tp of them when kv divides tp
+            # (grouped-query attention keeps its groups), else one per query head.
+            expanded = tp if tp % kv_heads == 0 else heads
+            plan.expanded_kv[parent_name] = (kv_heads, expanded, width_in // heads)
+            plan.notes[parent_name] = (
+                f"{kv_heads} key/value heads for tp={tp}: {', '.join(key_value)} replicated on every rank, their"
+                f" output repeated to {expanded} heads and split, so each rank's {heads // tp} query heads read theirs"
+            )
         for n in ins:
+            if n in key_value:
+                plan.styles[prefix + n] = KV_REPLICATED
+                plan.replicated[prefix + n] = (
+                    f"{kv_heads} key/value heads do not divide tp={tp}: the key/value projections are whole on every"
+                    " rank (their output repeated per query head group and split)"
+                )
+                continue
             plan.styles[prefix + n] = "colwise"
             if n in fused:
                 plan.notes[prefix + n] = (
@@ -279,6 +338,72 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
     if sequence_parallel:
         plan_sequence_parallel(module, plan)
     return plan
+
+
+def _replicable_key_value(
+    parent: nn.Module,
+    shapes: dict[str, tuple[int, int]],
+    ins: list[str],
+    width_in: int,
+    heads: int | None,
+    kv_heads: int,
+) -> list[str]:
+    """The key and value projections of an attention whose key/value heads tp does not divide, when they can be
+    replicated: separate layers (each ``kv_heads x head_dim`` wide) of an attention that repeats them by its
+    ``num_key_value_groups`` (transformers' convention, which the repeat changes). Else none (the pair stays whole)."""
+    if (
+        heads is None
+        or heads % kv_heads
+        or width_in % heads
+        or not isinstance(getattr(parent, "num_key_value_groups", None), int)
+    ):
+        return []
+    narrow = [n for n in ins if shapes[n][1] < width_in]
+    return narrow if narrow and all(shapes[n][1] == kv_heads * (width_in // heads) for n in narrow) else []
+
+
+def repeat_key_value_heads(module: nn.Module, plan: TensorPlan) -> None:
+    """Before the split, for each attention in ``plan.expanded_kv``: its key and value projections' outputs repeated
+    from ``kv`` heads to ``repeated`` (a forward hook on each: exact, every repeated head a copy), and its
+    ``num_key_value_groups`` set to ``heads / repeated``: the attention computes what it computed, with a head count
+    tp divides. Not a tensor-parallel hook: a pipeline traces it into its stages (each stage's projection runs it)."""
+    named = dict(module.named_modules())
+    for name, (kv, repeated, head_dim) in plan.expanded_kv.items():
+        attention = named[name]
+        prefix = f"{name}." if name else ""
+        heads = attention.num_key_value_groups * kv
+        for layer, style in plan.styles.items():
+            if style == KV_REPLICATED and layer.startswith(prefix) and "." not in layer[len(prefix) :]:
+                named[layer].register_forward_hook(_repeat_heads(kv, repeated // kv, head_dim))
+        attention.num_key_value_groups = heads // repeated
+
+
+def _repeat_heads(kv: int, times: int, head_dim: int) -> Any:
+    def hook(mod: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+        *lead, _ = out.shape
+        return out.view(*lead, kv, 1, head_dim).expand(*lead, kv, times, head_dim).reshape(*lead, kv * times * head_dim)
+
+    return hook
+
+
+def working_sizes(counts: list[int], limit: int) -> list[int]:
+    """The sizes up to ``limit`` that divide every one of ``counts``."""
+    return [d for d in range(1, limit + 1) if all(c % d == 0 for c in counts)]
+
+
+def check_heads(plan: TensorPlan, world: int) -> None:
+    """Refuse a tensor-parallel size that divides no attention's query heads: each rank must hold whole query heads.
+    ``world``: the ranks tp may span (the sizes offered divide it and every head count)."""
+    if not plan.indivisible_heads:
+        return
+    counts = sorted(plan.indivisible_heads)
+    where = ", ".join(f"{h} heads in {name}" for h, name in plan.indivisible_heads.items())
+    sizes = [d for d in working_sizes(counts, world) if world % d == 0]
+    raise TensorPlanError(
+        f"tensor_parallel_size={plan.tp} does not divide the query heads ({where}): each rank must hold whole query"
+        f" heads. Use a tensor_parallel_size that divides {'and '.join(map(str, counts))} and the {world} ranks:"
+        f" {sizes}; or pipeline_stages / sharding='full' to divide the memory without splitting heads."
+    )
 
 
 def _sequential_pair(parent: nn.Sequential, shapes: dict[str, tuple[int, int]]) -> tuple[list[str], list[str]]:
@@ -460,6 +585,7 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorPlan, tp_mesh: Any) -> 
         Conv1DColwise,
         Conv1DRowwise,
         ExpertParallel,
+        ReplicatedKeyValue,
         ReplicateOnMesh,
         Rowwise,
         VocabParallelEmbedding,
@@ -496,6 +622,8 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorPlan, tp_mesh: Any) -> 
             styles[name] = ExpertParallel()
         elif style == HEAD_NORM:
             styles[name] = ReplicateOnMesh()
+        elif style == KV_REPLICATED:
+            styles[name] = ReplicatedKeyValue()
     if styles:
         parallelize_module(module, tp_mesh, styles)
     if plan.sequence_blocks:

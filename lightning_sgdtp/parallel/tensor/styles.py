@@ -6,6 +6,18 @@
   only the dimension each parameter is split on swaps. So these subclasses replace the partition and nothing else.
 - :class:`ReplicateOnMesh`: a module's parameters as replicated DTensors, its inputs and outputs as they are (a norm
   that reads DTensor activations). torch 2.13 has no public style for it; ``distribute_module`` does the work.
+- :class:`ReplicatedKeyValue`: the key or value projection of an attention whose key/value heads tp does not divide
+  (grouped-query attention with fewer key/value heads than tp ranks; multi-query: one). Its parameters are replicated
+  DTensors over the tensor-parallel group; every rank computes every key/value head (a narrow projection:
+  ``kv_heads / heads`` of the query projection's work); a hook put on first (``plan.repeat_key_value_heads``)
+  repeats the heads to a count tp divides (tp, or one per query head) and the module's ``num_key_value_groups``
+  drops to match; the output is then split by head (a local slice), so each rank's query heads read theirs and
+  the attention runs split by head as any other. The gradients are whole on every rank: the slice's backward
+  gathers each rank's part (one all-gather), the repeat's sums the copies. Megatron and vLLM hold only the heads a
+  rank reads (``tp / kv_heads`` copies of each); here each rank holds all of them, a few percent of a block's
+  parameters (docs/tensor-parallel.md), so that state dicts, checkpoints and ``pretrained`` keep the model's shapes.
+  (Left as a replicated DTensor, the keys would reach the attention whole and be split inside it, and its
+  backward failed: a head-split gradient cannot be viewed back into the ``(kv, groups)`` heads of the repeat.)
 - :class:`ExpertParallel`: mixture-of-experts experts stored as 3-D parameters ``(experts, ..., ...)`` in
   transformers' experts convention (``num_experts``; a forward ``(hidden_states, top_k_index, top_k_weights)`` that
   skips expert ids ``>= num_experts``: the sentinel transformers' own expert parallelism uses). Each rank of the
@@ -126,6 +138,28 @@ class ReplicateOnMesh(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         return distribute_module(module, device_mesh)
+
+
+def _as_replicated(mod: nn.Module, inputs: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
+    x, *rest = inputs
+    if isinstance(x, DTensor):
+        x = x.redistribute(mesh, [Replicate()])
+    elif isinstance(x, torch.Tensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return (x, *rest)
+
+
+def _split_by_head(mod: nn.Module, outputs: Any, mesh: Any) -> Any:
+    return outputs.redistribute(mesh, [Shard(-1)]) if isinstance(outputs, DTensor) else outputs
+
+
+class ReplicatedKeyValue(ParallelStyle):
+    """A key/value projection whose heads tp does not divide: replicated weights and input; its output (repeated
+    per query-head group by ``plan.repeat_key_value_heads``'s hook, which runs first) split by head (see the module
+    doc)."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=_as_replicated, output_fn=_split_by_head)
 
 
 def expert_count(module: nn.Module) -> int | None:

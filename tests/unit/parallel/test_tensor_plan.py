@@ -373,3 +373,76 @@ def test_coverage_counts_a_tied_weight_once() -> None:
     assert coverage(model, plan) == {
         "split_fraction": 1.0, "held_fraction": 0.5, "block_replicated_fraction": 0.0, "largest_replicated": None,
     }  # fmt: skip
+
+
+def _qwen2(heads: int = 4, kv: int = 2, width: int = 32) -> nn.Module:
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=96, hidden_size=width, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv,
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(config)
+
+
+@pytest.mark.parametrize("kv", [2, 1])
+def test_fewer_key_value_heads_than_tp_replicates_them_and_splits_the_query_heads(kv: int) -> None:
+    """transformers 5 keeps no head counts on its attention: they are read from the projections' widths over
+    ``head_dim``. Before, k_proj (2 heads) was split over 4 ranks and Dynamo failed at the first step ("Cannot unflatten
+    unevenly sharded tensor"). Now q/o split by head, k/v whole on every rank, repeated to tp heads, and said so."""
+    pytest.importorskip("transformers")
+    plan = auto_plan(_qwen2(kv=kv), 4)
+    attn = "model.layers.0.self_attn"
+    assert plan.styles[f"{attn}.q_proj"] == "colwise" and plan.styles[f"{attn}.o_proj"] == "rowwise"
+    assert plan.styles[f"{attn}.k_proj"] == plan.styles[f"{attn}.v_proj"] == "kv_replicated"
+    assert plan.expanded_kv[attn] == (kv, 4, 8)  # kv divides tp: repeated to tp heads (each rank's group keeps one)
+    assert f"{kv} key/value heads do not divide tp=4" in plan.replicated[f"{attn}.k_proj"]
+    assert any("kv_replicated" in line for line in plan.describe())
+    assert any(f"{kv} key/value heads do not divide tp=4" in line for line in plan.describe())
+    assert plan.styles["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert not plan.indivisible_heads
+
+
+def test_key_value_heads_that_do_not_divide_tp_are_repeated_per_query_head() -> None:
+    """3 key/value heads, tp 4, 12 query heads: a rank's 3 query heads read two different key/value heads, so the
+    keys are repeated to one per query head (12) and split by head."""
+    pytest.importorskip("transformers")
+    plan = auto_plan(_qwen2(heads=12, kv=3, width=96), 4)
+    assert plan.expanded_kv["model.layers.0.self_attn"] == (3, 12, 8)
+
+
+@pytest.mark.parametrize("kv", [2, 1, 3])
+def test_repeated_key_value_heads_compute_what_the_model_computed(kv: int) -> None:
+    """The repeat (a hook on k_proj / v_proj, ``num_key_value_groups`` lowered to match) is exact: the same logits and
+    gradients in one process, with plain tensors (what a pipeline traces)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from lightning_sgdtp.parallel.tensor.plan import repeat_key_value_heads
+
+    torch.manual_seed(0)
+    heads, width = (12, 96) if kv == 3 else (4, 32)
+    model = _qwen2(heads=heads, kv=kv, width=width)
+    tokens = torch.randint(0, 96, (2, 10))
+    before = model(tokens).logits
+    grads = torch.autograd.grad(before.square().sum(), list(model.parameters()))
+    repeat_key_value_heads(model, auto_plan(model, 4))
+    assert model.model.layers[0].self_attn.num_key_value_groups == (1 if kv == 3 else heads // 4)
+    after = model(tokens).logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(after.square().sum(), list(model.parameters())), grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_tensor_parallel_size_that_divides_no_query_heads_is_refused_with_the_sizes_that_work() -> None:
+    pytest.importorskip("transformers")
+    from lightning_sgdtp.parallel.tensor.plan import check_heads
+
+    plan = auto_plan(_qwen2(heads=6, kv=2, width=48), 4)
+    assert plan.indivisible_heads == {6: "model.layers.0.self_attn"}
+    with pytest.raises(TensorPlanError, match=r"tensor_parallel_size=4 does not divide the query heads \(6 heads in"):
+        check_heads(plan, 8)
+    try:
+        check_heads(plan, 8)
+    except TensorPlanError as err:
+        assert "[1, 2]" in str(err), err  # 3 and 6 divide the heads, not the 8 ranks
