@@ -1,12 +1,16 @@
-"""Setup memory (issue 44): what setting up a big model adds to each rank's resident memory, built whole vs on meta.
+"""Setup memory (issues 44, 55): what setting up a big model adds to each rank's resident memory, built whole vs on
+meta, and then two training steps of every cell (a layout that sets up and fails at its first step proves nothing).
 
-    python benchmarks/setup_memory.py                # the issue's run: a 1.70 GB fp32 Llama, 6 cells (~3 min, 2 cores)
+    python benchmarks/setup_memory.py                # the issue's run: a 1.89 GB fp32 Qwen2, 6 cells (2 cores)
     python benchmarks/setup_memory.py --cells today,sharded,tensor,pipeline,pp2xtp2,dp2xtp2-full,sharded-init,today-dp
-    python benchmarks/setup_memory.py --hidden 256 --layers 4 --cells today,sharded --out /tmp/s.json   # smoke (~1 min)
-    python benchmarks/setup_memory.py --checkpoint /tmp/llama-1.7g   # keep (and reuse) the written checkpoint
+    python benchmarks/setup_memory.py --hidden 256 --heads 4 --intermediate 512 --layers 4 --cells today,tensor \
+        --out /tmp/s.json   # smoke (~2 min)
+    python benchmarks/setup_memory.py --checkpoint /tmp/qwen2-1.9g   # keep (and reuse) the written checkpoint
 
-The launching process builds a ``transformers`` ``LlamaForCausalLM`` from a ``LlamaConfig`` (vocabulary 32000,
-untied head, ``--hidden``/``--layers``), writes it with ``save_pretrained`` and frees it. Each cell is then one job
+The launching process builds a ``transformers`` ``Qwen2ForCausalLM`` from a ``Qwen2Config`` of Qwen2.5-1.5B's width
+(hidden 1536, 12 query heads, 2 key/value heads: fewer than the 4 tensor-parallel ranks, MLP 8960; 8 layers,
+vocabulary 32000, untied head; ``--hidden``/``--heads``/``--kv-heads``/``--intermediate``/``--layers``), writes it
+with ``save_pretrained`` and frees it. Each cell is then one job
 of 4 ranks (Lightning's launcher, gloo on 127.0.0.1, one thread each, ``Trainer(accelerator="cpu", devices=4)``),
 one cell after another, each in its own session with a hard timeout (``harness.run_reaped``). On every rank:
 
@@ -19,16 +23,18 @@ one cell after another, each in its own session with a hard timeout (``harness.r
    (``with trainer.init_module(empty_init=True)``, ``SGDTPStrategy(pretrained=folder, ...)``: split on meta, each
    rank allocates its part and reads it by shard);
 4. ``trainer.fit``; a callback's ``on_fit_start`` (right after the strategy's setup, before any step) reads
-   ``VmHWM``, gathers every rank's figures to rank 0 and sets ``trainer.should_stop``: no step runs, nothing is
-   compiled (both checked).
+   ``VmHWM``: the setup figure. Then two training steps (AdamW) run; at ``on_train_end`` every parameter this rank
+   holds (its shards, its stages) must be finite and the losses too, and every rank's figures are gathered to rank 0
+   (both steps ran and compiled: checked).
 
 The measure: ``(VmHWM - baseline VmRSS) / model bytes`` per rank (model bytes: the fp32 parameters). A sampling
 thread (every 20 ms) also records the highest ``RssAnon`` (memory the process owns, file pages excluded), a
 second, sampled view of the same peak. ``SETUP_MEMORY_DEBUG=1`` records the timeline (RssAnon / RssFile at each
 sample and the setup hooks) in each rank's JSON, to see where memory goes.
 
-Criterion (issue 44): every meta cell's fullest rank <= 0.35 of the model's bytes; today's path >= 1.0 on every
-rank. FAIL lines and exit code 1 otherwise (or when a cell fails). The JSON (machine, model, bytes, per-rank
+Criterion (issues 44, 55): every meta cell's fullest rank <= 0.35 of the model's bytes at setup; today's path >= 1.0
+on every rank (and its rank-0 line says so, with the fix); every cell trains 2 steps with finite parameters and
+losses. FAIL lines and exit code 1 otherwise (or when a cell fails). The JSON (machine, model, bytes, per-rank
 figures) goes to ``--out`` (default ``benchmarks/results/setup_memory_<date>.json``) and is printed as the last line.
 """
 
@@ -37,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import re
@@ -56,13 +63,14 @@ from harness import QUIET_TRAINER, fmt, frames_compiled, git_commit, run_reaped,
 
 RANKS = 4
 VOCAB = 32000
-SEQ, BATCH = 32, 4  # tokens per sample, samples per rank (the pipeline cuts it into 4 chunks); never trained on
+SEQ, BATCH = 32, 4  # tokens per sample, samples per rank (the pipeline cuts it into 4 chunks)
+STEPS = 2  # trained after setup is measured
 LIMIT = 0.35  # issue 44: a meta cell's fullest rank, as a fraction of the model's bytes
 #: cell -> (how the model is built, SGDTPStrategy options besides ``pretrained``, the layout in words)
 CELLS: dict[str, tuple[str, dict[str, Any], str]] = {
     "today": ("from_pretrained", {"sharding": "full"}, "dp 4, sharding=full"),  # the layout of `sharded`
     "sharded": ("meta", {"sharding": "full"}, "dp 4, sharding=full"),
-    "tensor": ("meta", {"parallelism": "tensor", "tensor_parallel_size": 4}, "tp 4"),
+    "tensor": ("meta", {"parallelism": "tensor", "tensor_parallel_size": 4}, "tp 4 (k/v heads replicated)"),
     "pipeline": ("meta", {"pipeline_stages": 4, "pipeline_chunks": 4}, "pp 4, 4 micro-batches"),
     "pp2xtp2": (
         "meta",
@@ -149,8 +157,8 @@ def _worker(cell: str, folder: Path, out: Path) -> None:
     import torch
     from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader, TensorDataset
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaForCausalLM
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 
     from lightning_sgdtp import SGDTPStrategy
     from lightning_sgdtp.parallel.sharding import held_bytes
@@ -160,27 +168,27 @@ def _worker(cell: str, folder: Path, out: Path) -> None:
 
     torch.set_num_threads(1)
     build, options, _ = CELLS[cell]
-    config = LlamaConfig.from_pretrained(folder)
+    config = Qwen2Config.from_pretrained(folder)
     sampler = Sampler(timeline=os.environ.get("SETUP_MEMORY_DEBUG") == "1")
 
-    class Llama(L.LightningModule):
-        """What a user writes: the Hugging Face model as ``self.model``, a loss, AdamW."""
+    class Qwen2(L.LightningModule):
+        """What a user writes: the Hugging Face model as ``self.model``, a loss logged every step, AdamW."""
 
         def __init__(self) -> None:
             super().__init__()
-            self.steps_run = 0
             self.model = (
-                LlamaForCausalLM.from_pretrained(folder) if build == "from_pretrained" else LlamaForCausalLM(config)
+                Qwen2ForCausalLM.from_pretrained(folder) if build == "from_pretrained" else Qwen2ForCausalLM(config)
             )
 
         def forward(self, ids: Any) -> Any:  # a pipeline traces forward and cuts it into stages
             return self.model(input_ids=ids).logits
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
-            self.steps_run += 1
             ids, labels = batch
             logits = self(ids)
-            return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+            self.log("loss", loss)
+            return loss
 
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
@@ -199,7 +207,7 @@ def _worker(cell: str, folder: Path, out: Path) -> None:
             status = proc_status()
             engine = getattr(trainer.strategy, "engine", None)
             done = getattr(engine, "materialized", None)
-            mine = {
+            figures["setup"] = {
                 "rank": trainer.global_rank,
                 "baseline_rss": figures["baseline"]["VmRSS"],
                 "baseline_anon": figures["baseline"]["RssAnon"],
@@ -215,18 +223,25 @@ def _worker(cell: str, folder: Path, out: Path) -> None:
                 "materialized": done.describe() if done is not None else None,
                 "timeline": sampler.timeline,
             }
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            loss = trainer.callback_metrics.get("loss")
+            figures.setdefault("losses", []).append(float(loss) if loss is not None else None)
+
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            mine = dict(figures["setup"], losses=figures.get("losses", []), **local_parameters_finite(trainer, module))
+            mine["train_s"] = time.perf_counter() - figures["setup_began"] - mine["setup_s"]
             gathered: list[Any] = [None] * trainer.world_size
             torch.distributed.all_gather_object(gathered, mine)
             if trainer.global_rank == 0:
                 figures["ranks"] = gathered
-            trainer.should_stop = True  # no step: setup is what is measured
 
     strategy_options = dict(options)
     if build == "meta":
         strategy_options["pretrained"] = str(folder)
     strategy = SGDTPStrategy(**strategy_options)
     trainer = L.Trainer(
-        accelerator="cpu", devices=RANKS, strategy=strategy, max_steps=1, callbacks=[Measure()], **QUIET_TRAINER
+        accelerator="cpu", devices=RANKS, strategy=strategy, max_steps=STEPS, callbacks=[Measure()], **QUIET_TRAINER
     )
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (RANKS * BATCH * 2, SEQ), generator=g)
@@ -240,45 +255,60 @@ def _worker(cell: str, folder: Path, out: Path) -> None:
     sampler.mark("baseline")
     figures["t0"] = time.perf_counter()
     if build == "from_pretrained":
-        model = Llama()
+        model = Qwen2()
     else:
         with trainer.init_module(empty_init=True):
-            model = Llama()
+            model = Qwen2()
     figures["built"] = time.perf_counter()
     sampler.mark("model built")
     trainer.fit(model, data)
     sampler.running = False
-    if trainer.global_rank == 0:  # after fit: proof that no step ran and nothing was compiled
-        after = {"steps_run": model.steps_run, "frames_compiled": frames_compiled()}
+    if trainer.global_rank == 0:  # after fit: proof that the steps ran, compiled
+        after = {"frames_compiled": frames_compiled()}
         out.write_text(json.dumps({"cell": cell, "ranks": figures["ranks"], "rank0_after_fit": after}))
 
 
 # ------------------------------------------------------------------------------------------------ driver
-def llama_config(hidden: int, layers: int) -> Any:
-    from transformers import LlamaConfig
+def qwen2_config(hidden: int, heads: int, kv_heads: int, intermediate: int, layers: int) -> Any:
+    from transformers import Qwen2Config
 
-    heads = max(4, hidden // 64)
-    return LlamaConfig(
+    return Qwen2Config(
         vocab_size=VOCAB,
         hidden_size=hidden,
-        intermediate_size=_round_up(int(2.75 * hidden), 64),
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     )
 
 
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
+def local_parameters_finite(trainer: Any, module: Any) -> dict[str, Any]:
+    """Every parameter this rank holds (a DTensor's local shard; a pipeline rank's stages), after training: how many,
+    their bytes, and the names of those not finite."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    runner = getattr(getattr(trainer.strategy, "engine", None), "runner", None)
+    held = runner.local_parameters if runner is not None else list(module.parameters())
+    names = {id(p): n for n, p in module.named_parameters()}
+    bad, count, size = [], 0, 0
+    for p in held:
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if local.is_meta or local.numel() == 0:
+            continue
+        count, size = count + 1, size + local.numel() * local.element_size()
+        if not bool(torch.isfinite(local.detach()).all()):
+            bad.append(names.get(id(p), "?"))
+    return {"checked_parameters": count, "checked_bytes": size, "nonfinite": bad, "global_step": trainer.global_step}
 
 
 def write_checkpoint(config: Any, folder: Path) -> dict[str, Any]:
     """Build the model once (real weights), ``save_pretrained`` it to ``folder`` (reused when its config.json is
     the same), free it. Returns the model's figures."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     wanted = config.to_dict()
     index = folder / "model_facts.json"
@@ -290,7 +320,7 @@ def write_checkpoint(config: Any, folder: Path) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = Qwen2ForCausalLM(config)
     params = dict(model.named_parameters())
     facts = {
         "config": json.loads(json.dumps(wanted)),
@@ -359,7 +389,8 @@ def run_cell(cell: str, folder: Path, tmp: Path, timeout: float) -> dict[str, An
     result = json.loads(out.read_text())
     result["wall_s"] = time.perf_counter() - started
     result["min_mem_available_gib"] = lowest[-1]
-    result["rank0_lines"] = [line.strip() for line in text.splitlines() if "materialized on meta" in line]
+    said = ("materialized on meta", "built whole on every rank", "tensor-parallel plan", "replicated: ")
+    result["rank0_lines"] = [line.strip() for line in text.splitlines() if any(w in line for w in said)]
     return result
 
 
@@ -389,6 +420,11 @@ def summarize(cell: str, result: dict[str, Any], model_bytes: int) -> dict[str, 
         "materialized": [r["materialized"] for r in ranks],
         "rank0_lines": result["rank0_lines"],
         "timelines": {r["rank"]: r["timeline"] for r in ranks if r["timeline"]},
+        "trained": [
+            {k: r[k] for k in ("rank", "global_step", "losses", "checked_parameters", "checked_bytes", "nonfinite")}
+            for r in ranks
+        ],
+        "train_s": max(r["train_s"] for r in ranks),
     }
 
 
@@ -398,7 +434,7 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown cell(s) {unknown}; known: {', '.join(CELLS)}", file=sys.stderr)
         return 2
-    config = llama_config(args.hidden, args.layers)
+    config = qwen2_config(args.hidden, args.heads, args.kv_heads, args.intermediate, args.layers)
     facts_machine = machine()
     with tempfile.TemporaryDirectory(prefix="setup_memory_") as tmp_name:
         tmp = Path(tmp_name)
@@ -406,8 +442,9 @@ def main(args: argparse.Namespace) -> int:
         model = write_checkpoint(config, folder)
         mb = model["model_bytes"]
         print(
-            f"model: LlamaForCausalLM hidden {config.hidden_size}, intermediate {config.intermediate_size},"
-            f" {config.num_hidden_layers} layers, {config.num_attention_heads} heads, vocabulary {config.vocab_size},"
+            f"model: Qwen2ForCausalLM hidden {config.hidden_size}, intermediate {config.intermediate_size},"
+            f" {config.num_hidden_layers} layers, {config.num_attention_heads} heads ({config.num_key_value_heads}"
+            f" key/value), vocabulary {config.vocab_size},"
             f" untied head: {model['parameters'] / 1e6:.1f} M parameters, {mb / 1e9:.3f} GB fp32 ({mb / 2**30:.3f} GiB);"
             f" embedding + head {model['embedding_and_head_bytes'] / mb:.1%} of it; files {model['files']}",
             flush=True,
@@ -430,7 +467,7 @@ def main(args: argparse.Namespace) -> int:
     print()
     head = (
         f"{'cell':<13} {'build':<15} {'layout':<28} {'max':>6} {'x today':>7}  {'per rank':<27} {'MiB':>6}"
-        f" {'anon':>6} {'held':>6} {'setup s':>7} {'avail GiB':>9}"
+        f" {'anon':>6} {'held':>6} {'setup s':>7} {'train s':>7} {'avail GiB':>9}"
     )
     print(head)
     print("-" * len(head))
@@ -441,12 +478,14 @@ def main(args: argparse.Namespace) -> int:
         print(
             f"{r['cell']:<13} {r['build']:<15} {r['layout']:<28} {r['max_fraction']:>6.3f} {fmt(ratio, '>7.2f')}"
             f"  {per_rank:<27} {max(r['added_mib']):>6.0f} {max(r['anon_fraction_sampled']):>6.3f}"
-            f" {max(r['held_parameter_fraction']):>6.3f} {r['setup_s']:>7.1f} {r['min_mem_available_gib']:>9.1f}"
+            f" {max(r['held_parameter_fraction']):>6.3f} {r['setup_s']:>7.1f} {r['train_s']:>7.1f}"
+            f" {r['min_mem_available_gib']:>9.1f}"
         )
     print(
         "max / per rank: (VmHWM - VmRSS before the build) / model bytes; MiB: the fullest rank's in MiB; anon: the"
         " highest RssAnon sampled (file pages excluded), same scale; held: parameter bytes the rank holds after"
-        " setup / model bytes; setup s: the strategy's setup (slowest rank); avail GiB: the machine's lowest"
+        " setup / model bytes; setup s: the strategy's setup (slowest rank); train s: the 2 steps after it, compiles"
+        " included (slowest rank); avail GiB: the machine's lowest"
         " MemAvailable during the cell"
     )
     print()
@@ -457,8 +496,17 @@ def main(args: argparse.Namespace) -> int:
     checks = []
     for r in rows:
         after = r["rank0_after_fit"]
-        if after["steps_run"] or after["frames_compiled"]:
-            checks.append(f"[FAIL] {r['cell']}: a step ran or something compiled ({after})")
+        trained = [(x["global_step"], x["checked_parameters"], x["nonfinite"], x["losses"]) for x in r["trained"]]
+        finite = all(
+            step == STEPS and count > 0 and not bad and len(losses) == STEPS for step, count, bad, losses in trained
+        )
+        # the loss as every rank's logger sees it (a pipeline's last stage computes it, its value reaches every rank)
+        finite = finite and all(_finite(v) for t in trained for v in t[3])
+        checks.append(
+            f"[{'PASS' if finite and after['frames_compiled'] else 'FAIL'}] {r['cell']}: {STEPS} steps trained on every"
+            f" rank, every local parameter finite (checked per rank: {[t[1] for t in trained]}), losses"
+            f" {[round(v, 4) if v is not None else None for v in trained[0][3]]}, {after['frames_compiled']} frames compiled"
+        )
         if r["build"] == "meta-init":  # no checkpoint: outside the criterion
             checks.append(
                 f"[INFO] {r['cell']}: fullest rank {r['max_fraction']:.3f} of the model (no pretrained; the host holds"
@@ -475,6 +523,13 @@ def main(args: argparse.Namespace) -> int:
             checks.append(
                 f"[{'PASS' if ok else 'FAIL'}] today's path: every rank >= 1.0 of the model (lowest"
                 f" {r['min_fraction']:.3f})"
+            )
+            said = any(
+                "built whole on every rank" in line and "init_module(empty_init=True)" in line
+                for line in r["rank0_lines"]
+            )
+            checks.append(
+                f"[{'PASS' if said else 'FAIL'}] today's path: rank 0 says the model came whole, with the fix"
             )
     checks += [f"[FAIL] {f['cell']}: the cell failed" for f in failures]
     for line in checks:
@@ -498,14 +553,21 @@ def main(args: argparse.Namespace) -> int:
     return 1 if failures or any(c.startswith("[FAIL]") for c in checks) else 0
 
 
+def _finite(value: Any) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 def _short(row: dict[str, Any]) -> dict[str, Any]:
     return {k: row[k] for k in ("cell", "max_fraction", "fraction", "ratio_vs_today", "setup_s")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=1024, help="hidden size (heads of 64)")
-    p.add_argument("--layers", type=int, default=28, help="decoder layers (a multiple of 4: pipeline stages)")
+    p.add_argument("--hidden", type=int, default=1536, help="hidden size (Qwen2.5-1.5B's)")
+    p.add_argument("--heads", type=int, default=12, help="query heads (tp 4 must divide them)")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (2: fewer than the 4 tp ranks)")
+    p.add_argument("--intermediate", type=int, default=8960, help="MLP width")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers (a multiple of 4: pipeline stages)")
     p.add_argument("--cells", default=",".join(DEFAULT_CELLS), help=f"comma-separated, of: {', '.join(CELLS)}")
     p.add_argument("--checkpoint", type=Path, default=None, help="where the checkpoint is written (kept, reused)")
     p.add_argument("--timeout", type=float, default=900, help="hard limit per cell, seconds")

@@ -77,11 +77,17 @@ MODES: dict[str, Mode] = {  # in the order they run
     "sharding optimizer": Mode(2, 2, {"sharding": "optimizer"}),
     "hybrid + full": Mode(4, 2, {"parallelism": "hybrid", "tensor_parallel_size": 2, "sharding": "full"}),
     "pipeline + full (2 x 2)": Mode(4, 2, {"pipeline_stages": 2, "pipeline_chunks": 2, "sharding": "full"}),
+    # 4-rank layouts of large jobs (issue 55): 4 stages (one per rank), tp 4 (fewer key/value heads than tp where the
+    # model has 2 or 1), pp 2 x tp 2
+    "pipeline 4 stages": Mode(4, 1, {"pipeline_stages": 4, "pipeline_chunks": 4}, layers=4, batch=8),
+    "tensor 4": Mode(4, 1, {"parallelism": "tensor"}),
+    "pp 2 x tp 2": Mode(4, 1, {"pipeline_stages": 2, "pipeline_chunks": 4, "parallelism": "tensor"}, batch=8),
 }
 #: The modes that are for dividing the model: their cells also show the most any rank holds of the parameter bytes
 #: (counted from every rank's tensors after fit).
 DIVIDING = {"tensor", "pipeline 1f1b", "pipeline interleaved", "pipeline gpipe", "sharding full", "sharding optimizer",
-            "hybrid + full", "pipeline + full (2 x 2)", "hybrid (dp 2 x tp 2)", "pipeline x data (2 x 2)"}  # fmt: skip
+            "hybrid + full", "pipeline + full (2 x 2)", "hybrid (dp 2 x tp 2)", "pipeline x data (2 x 2)",
+            "pipeline 4 stages", "tensor 4", "pp 2 x tp 2"}  # fmt: skip
 
 
 def run_cell(model: str, mode: Mode, out: Path, timeout: float) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from lightning_sgdtp.config import SGDTPConfig
 from lightning_sgdtp.engine.optim import OptimizerUpdates
 from lightning_sgdtp.engine.parallelize import PartPlan
 from lightning_sgdtp.mesh.dims import ParallelDims
-from lightning_sgdtp.observe.report import PlanReport
+from lightning_sgdtp.observe.report import PlanReport, size
 from lightning_sgdtp.observe.timeline import Timeline, label
 from lightning_sgdtp.runtime.faults import FaultGuard
 from lightning_sgdtp.runtime.preemption import PreemptionCoordinator
@@ -150,7 +150,7 @@ class StepEngine(ABC):
         self._said_whole = True
         whole = sum(p.numel() * p.element_size() for p in {id(p): p for p in self.module.parameters()}.values())
         self.report.say(
-            f"setup: the model was built whole on every rank ({whole / 2**30:.2f} GiB of parameters each) before the"
+            f"setup: the model was built whole on every rank ({size(whole)} of parameters each) before the"
             " split, which then freed all but each rank's part: the setup peak is the whole model. To allocate only"
             " each rank's part, build it under trainer.init_module(empty_init=True) (fabric.init_module), or give"
             " pretrained=<a Hugging Face folder> (docs/big-models.md)"

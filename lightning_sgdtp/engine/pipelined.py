@@ -30,6 +30,7 @@ from lightning_sgdtp.compiler.backend import CompileSettings, SGDTPCompiler
 from lightning_sgdtp.config import NotAvailableYetError, SGDTPConfigError
 from lightning_sgdtp.engine.base import EngineInputs, StepEngine, broadcast_buffers
 from lightning_sgdtp.engine.parallelize import parallelize, plan_part, sync_line, tracing
+from lightning_sgdtp.mesh.dims import ParallelDims
 from lightning_sgdtp.parallel.clipping import clip_pipeline_grad_norm_
 from lightning_sgdtp.parallel.pipeline.contract import check_pipeline_contract, replay_logs
 from lightning_sgdtp.parallel.pipeline.memory import ReleasedStages
@@ -37,6 +38,7 @@ from lightning_sgdtp.parallel.pipeline.runner import PipelineRunner
 from lightning_sgdtp.parallel.pipeline.split import (
     PipelineSplit,
     PipelineSplitError,
+    TooManyStagesError,
     plan_pipeline_split,
     stage_parameters,
 )
@@ -73,6 +75,8 @@ class PipelinedStep(StepEngine):
             check_pipeline_contract(module)
             try:
                 split = plan_pipeline_split(module, dims.stages, split_points=config.pipeline_split)
+            except TooManyStagesError as exc:
+                raise SGDTPConfigError(too_many_stages(str(exc), exc.blocks, config, dims)) from exc
             except PipelineSplitError as exc:
                 raise SGDTPConfigError(str(exc)) from exc
             self.part_plan = plan = plan_part(
@@ -340,3 +344,17 @@ def _leave_cleanly_at_exit() -> None:
     if not _EXIT_HOOK:
         _EXIT_HOOK.append(True)
         atexit.register(shutdown.leave_process_group)
+
+
+def too_many_stages(message: str, blocks: int, config: Any, dims: ParallelDims) -> str:
+    """The refusal of more stages than blocks, with the ``pipeline_stages`` that work on these ranks."""
+    per_rank = dims.stages // dims.pp
+    ranks = dims.world_size
+    working = [p for p in range(2, ranks + 1) if ranks % p == 0 and p * per_rank <= blocks]
+    what = f"pipeline_stages={dims.pp}"
+    if per_rank > 1:
+        what += f" with pipeline_schedule={config.pipeline_schedule!r} ({per_rank} stages per rank)"
+    fix = f"pipeline_stages in {working}" if working else "fewer ranks per pipeline, or no pipeline_stages"
+    if per_rank > 1 and blocks >= dims.pp:
+        fix += f", or pipeline_schedule='1f1b' (one stage per rank: pipeline_stages={dims.pp} works)"
+    return f"{what}: {message}. On {ranks} ranks: {fix}."

@@ -26,8 +26,8 @@ Data parallel alone has no grid: every rank is a replica, the data-parallel grou
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -94,8 +94,9 @@ def _check_export(out: Path, trained: dict[str, torch.Tensor]) -> None:
 
 def test_a_meta_model_from_scratch_is_initialized_alike_on_every_rank(tmp_path: Path) -> None:
     """Built on meta, no checkpoint: each rank initializes its part. Nothing is left empty, on meta or not finite,
-    and every tensor not split (norms, rotary tables) is the same on every rank; it trains."""
-    scenario = {"model": "llama", "devices": 2, "dp": 1, "sgdtp": {"parallelism": "tensor"}, "meta": True}
+    and every tensor not split (norms, rotary tables, and the key/value projections of this multi-query Llama: one
+    key/value head for tp 2, replicated) is the same on every rank; it trains."""
+    scenario = {"model": "llama_mq", "devices": 2, "dp": 1, "sgdtp": {"parallelism": "tensor"}, "meta": True}
     scenario.update(reference="none", steps=2)
     (tmp_path / "scenario.json").write_text(json.dumps(scenario))
     rc, log, _, timed_out = run_python([str(JOBS / "zoo.py"), str(tmp_path)], job_env(), timeout=300)
@@ -104,6 +105,7 @@ def test_a_meta_model_from_scratch_is_initialized_alike_on_every_rank(tmp_path: 
     assert check["replicated_checked"] > 0, check
     assert check["nonfinite"] == [] and check["meta_left"] == [] and check["differ"] == [], check
     assert "initialized (" in log and "read by shard" not in log, log[-3000:]
+    assert "kv_replicated" in log and "1 key/value heads do not divide tp=2" in log, log[-3000:]
 
 
 @pytest.mark.parametrize("how", [{"reshape": "model.layers.1.mlp.up_proj.weight"}, {"drop": "lm_head.weight"}])

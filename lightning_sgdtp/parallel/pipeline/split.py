@@ -70,6 +70,14 @@ class PipelineSplitError(ValueError):
     """A model or request the pipeline splitter cannot honour. The message names what to provide."""
 
 
+class TooManyStagesError(PipelineSplitError):
+    """More stages than blocks: ``blocks`` is how many there are (the caller names the options that work)."""
+
+    def __init__(self, message: str, blocks: int) -> None:
+        super().__init__(message)
+        self.blocks = blocks
+
+
 @dataclass
 class PipelineSplit:
     """Which blocks run on which pipeline stage, and what runs before/after the block stack."""
@@ -437,9 +445,10 @@ def plan_pipeline_split(
     stack_name = " + ".join(stacks)
     where = stack_name or type(module).__name__
     if stages > len(blocks):
-        raise PipelineSplitError(
+        raise TooManyStagesError(
             f"{stages} stages but {where} has {len(blocks)} blocks: use at most {len(blocks)} stages"
-            " (every stage needs at least one block)"
+            " (every stage needs at least one block)",
+            len(blocks),
         )
     costs_given = _check_block_costs(block_costs, block_names, where) if block_costs is not None else None
     split = _split_along(module, stages, blocks, stack_name, split_points, costs_given)

@@ -241,11 +241,11 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
         why = None
         if any(shapes[n][0] != width for n in ins):
             why = f"input layers {ins} do not read the width {width} that {outs[0]} writes"
-        elif any(shapes[n][1] % tp for n in ins if n not in key_value) or width_in % tp:
-            why = f"feature sizes {[shapes[n][1] for n in ins]} / {width_in} not divisible by tp={tp}"
         elif heads is not None and heads % tp:
             why = f"{heads} heads are not divisible by tp={tp}"
             plan.indivisible_heads.setdefault(heads, parent_name)
+        elif any(shapes[n][1] % tp for n in ins if n not in key_value) or width_in % tp:
+            why = f"feature sizes {[shapes[n][1] for n in ins]} / {width_in} not divisible by tp={tp}"
         elif kv_whole and not fused and not key_value:
             why = f"{kv_heads} key/value heads are not divisible by tp={tp}"
         members = [prefix + n for n in ins + outs]
@@ -260,16 +260,13 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
             # (grouped-query attention keeps its groups), else one per query head.
             expanded = tp if tp % kv_heads == 0 else heads
             plan.expanded_kv[parent_name] = (kv_heads, expanded, width_in // heads)
-            plan.notes[parent_name] = (
-                f"{kv_heads} key/value heads for tp={tp}: {', '.join(key_value)} replicated on every rank, their"
-                f" output repeated to {expanded} heads and split, so each rank's {heads // tp} query heads read theirs"
-            )
         for n in ins:
             if n in key_value:
                 plan.styles[prefix + n] = KV_REPLICATED
                 plan.replicated[prefix + n] = (
                     f"{kv_heads} key/value heads do not divide tp={tp}: the key/value projections are whole on every"
-                    " rank (their output repeated per query head group and split)"
+                    f" rank, their output repeated to {expanded} heads and split by head (each rank's"
+                    f" {heads // tp} query heads read theirs)"
                 )
                 continue
             plan.styles[prefix + n] = "colwise"

@@ -12,7 +12,8 @@ device and the strategy reads it by shard: pretrained=OUT/pretrained), "export":
 save_pretrained writes OUT/exported), "corrupt": {"drop" | "reshape": name} (the pretrained folder made not to
 fit), "reference": "none" (no reference run), "meta": true (built on the meta device without pretrained weights: the
 strategy initializes each rank's part; rank 0 writes ``init_check.json``: the tensors not finite, the replicated
-ones that differ between ranks, what stayed on meta, after setup)}.
+ones (plain, or DTensors replicated on the mesh: norms, replicated key/value projections) that differ between ranks,
+what stayed on meta, after setup)}.
 
 The launching process trains the reference on one device (global batch = dp x per-rank batch, in the order
 Lightning's shuffling DistributedSampler gives the ranks), then Lightning's launcher starts the ranks. Rank 0 writes
@@ -101,8 +102,8 @@ class InitCheck(L.Callback):
                 meta += [] if id(t) in released else [name]  # another stage's, on a pipeline rank: never held
             elif local.is_floating_point() and not torch.isfinite(local).all():
                 bad.append(name)
-            elif not isinstance(t, DTensor):
-                mine[name] = t.detach().cpu().clone()
+            elif not isinstance(t, DTensor) or all(p.is_replicate() for p in t.placements):  # replicated: alike
+                mine[name] = local.detach().cpu().clone()
         every: list[Any] = [None] * trainer.world_size
         torch.distributed.all_gather_object(every, (mine, bad, meta))
         if trainer.global_rank == 0:
