@@ -55,6 +55,7 @@ from lightning_sgdtp.parallel.sharding import (
     whole_for_tracing,
 )
 from lightning_sgdtp.parallel.technique import Technique
+from lightning_sgdtp.parallel.tensor.heads import repeat_key_value_heads
 from lightning_sgdtp.parallel.tensor.plan import (
     TensorPlan,
     TensorPlanError,
@@ -62,7 +63,6 @@ from lightning_sgdtp.parallel.tensor.plan import (
     auto_plan,
     check_heads,
     coverage,
-    repeat_key_value_heads,
     resolve_plan,
 )
 
@@ -388,7 +388,8 @@ def parallelize(
     done = Parallelized()
     # 1. tensor parallel: every later step sees the split parameters
     if plan.tensor_plan is not None:
-        repeat_key_value_heads(part, plan.tensor_plan)  # first, and outside the recorded hooks: a pipeline traces it
+        # first, and outside the recorded hooks: a pipeline traces it into its stages
+        repeat_key_value_heads(part, plan.tensor_plan.expanded_kv, plan.tensor_plan.styles)
         with recording_hooks(part):  # a pipeline's stages, traced later, take the same hooks
             apply_tensor_parallel(part, plan.tensor_plan, dims.tp_mesh)
     elif plan.tensor_from_whole:

@@ -127,6 +127,17 @@ def _axis_sizes(
             yield {first.axis.name: size, **sizes}, refused or skipped
 
 
+def _heads_problem(module: nn.Module, tp: int, checked: dict[int, str | None]) -> str | None:
+    """Why tensor parallel over ``tp`` ranks cannot split ``module`` (the strategy refuses it at setup): a query head
+    count it does not divide; None when it can. ``checked``: the answers so far, by tp."""
+    if tp not in checked:
+        from lightning_sgdtp.parallel.tensor.plan import auto_plan
+
+        counts = sorted(auto_plan(module, tp).indivisible_heads)
+        checked[tp] = f"tp={tp} does not divide the query heads ({', '.join(map(str, counts))})" if counts else None
+    return checked[tp]
+
+
 def _schedules(layout: Layout, batch: int, devices_per_node: int, blocks: int) -> list[tuple[Layout, Schedule]]:
     """What a layout leaves open: checkpointing (of a block stack; with tensor parallel it is predicted and marked
     not built), micro-batches (stages x 1, 2, 4, 8, or one sample
@@ -324,12 +335,13 @@ def plan(
     )
     memory: dict[Layout, RankMemory] = {}
     split: dict[tuple[int, bool], float] = {}
+    heads_checked: dict[int, str | None] = {}
     for candidate in candidate_layouts(world_size, devices_per_node, model.blocks):
         sizes = {k: v for k, v in fixed.items() if k in ("dp", "tp", "pp", "sharding")}
         if any(getattr(candidate.layout, k) != v for k, v in sizes.items()):
             continue  # a layout the user's options exclude, listed or not
-        if candidate.built and not candidate.skipped and candidate.layout.tp > 1 and model.heads % candidate.layout.tp:
-            candidate.skipped = f"tp={candidate.layout.tp} does not divide the {model.heads} query heads"
+        if candidate.built and not candidate.skipped and candidate.layout.tp > 1:
+            candidate.skipped = _heads_problem(module, candidate.layout.tp, heads_checked)
         if candidate.skipped and candidate.built:
             result.candidates.append(candidate)
             continue

@@ -170,7 +170,7 @@ class PipelineSplit:
             lines.append(f"  stage {stage}: {' + '.join(parts)} ({self._cost_text(self.cost[stage])})")
         for block in self.cut_blocks:
             layers = [b for b in self._blocks() if _inside(b, block)]
-            where = ", ".join(f"{_leaf(b)} on stage {self.stage_of(b)}" for b in layers)
+            where = ", ".join(f"{b.rsplit('.', 1)[-1]} on stage {self.stage_of(b)}" for b in layers)
             lines.append(f"  {block} is cut between its layers ({where}): no cut at a whole block balances the stages")
         for first, other in self.tied:
             lines.append(
@@ -210,10 +210,6 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _leaf(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
-
-
 def _count_text(n: float) -> str:
     for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= scale:
@@ -229,7 +225,7 @@ def _range_text(blocks: list[str]) -> str:
             runs[-1].append(block)
         else:
             runs.append([block])
-    return ", ".join(run[0] if len(run) == 1 else f"{run[0]}..{_leaf(run[-1])}" for run in runs)
+    return ", ".join(run[0] if len(run) == 1 else f"{run[0]}..{run[-1].rsplit('.', 1)[-1]}" for run in runs)
 
 
 def blocks_text(blocks: list[str], limit: int = 12) -> str:

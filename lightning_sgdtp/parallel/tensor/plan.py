@@ -25,6 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_sgdtp.parallel.tensor.heads import (
+    KV_REPLICATED,
+    head_counts,
+    replicable_key_value,
+    working_sizes,
+)
 from lightning_sgdtp.parallel.tensor.styles import expert_count, linear_shape
 
 STYLES = ("colwise", "rowwise", "colwise_gather", "experts", "replicate", "sequence")
@@ -37,14 +43,6 @@ STYLES = ("colwise", "rowwise", "colwise_gather", "experts", "replicate", "seque
 #: Set by the automatic plan only.
 HEAD_NORM = "head_norm"
 NORMS = (nn.LayerNorm, nn.RMSNorm)
-#: The key and value projections of an attention whose key/value heads tp does not divide (grouped-query attention with
-#: fewer key/value heads than tp, multi-query): replicated on the mesh, their output a replicated DTensor, while the
-#: query heads and the output projection are split (styles.ReplicatedKeyValue). Set by the automatic plan only.
-KV_REPLICATED = "kv_replicated"
-#: Attributes that give an attention's head width (transformers 5 keeps no head counts on the module: the counts are
-#: its projections' widths over it).
-HEAD_DIM_ATTRS = ("head_dim", "head_size")
-
 # Leaf names of linear layers that read the block's input (column-parallel) and write its output (row-parallel).
 IN_NAMES = {
     "q", "k", "v", "q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv", "qkv", "qkv_proj",
@@ -61,8 +59,6 @@ OUT_NAMES = {
 EITHER_NAMES = ("fc_1", "fc_2", "linear_1", "linear_2", "dense_1", "dense_2")
 TOKEN_EMBEDDING_NAMES = ("tok", "wte", "word", "embed_tokens", "token")
 HEAD_NAMES = {"lm_head", "head", "output", "out", "logits", "classifier"}
-HEAD_COUNT_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nhead", "heads")
-KV_HEAD_COUNT_ATTRS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head")
 
 
 class TensorPlanError(ValueError):
@@ -146,36 +142,6 @@ def _leaf(name: str) -> str:
     return name.rsplit(".", 1)[-1].lower()
 
 
-def _heads(module: nn.Module, attrs: tuple[str, ...] = HEAD_COUNT_ATTRS) -> int | None:
-    for attr in attrs:
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
-def head_counts(
-    parent: nn.Module, shapes: dict[str, tuple[int, int]], ins: list[str], width_in: int
-) -> tuple[int | None, int | None]:
-    """``(query heads, key/value heads)`` of an attention module (None where unknown): its attributes (``num_heads``,
-    ``num_key_value_heads``, ...), else its projections' widths over its head width (transformers 5: ``head_dim``;
-    ``width_in``: what the output projection reads, every query head; a key/value projection writes ``kv x head_dim``),
-    else its ``config`` (a fused projection). A module without head attributes is not an attention: (None, None)."""
-    heads, kv = _heads(parent), _heads(parent, KV_HEAD_COUNT_ATTRS)
-    head_dim = _heads(parent, HEAD_DIM_ATTRS)
-    if head_dim is None or (heads is not None and kv is not None):
-        return heads, kv if kv is not None or heads is None else heads
-    config = getattr(parent, "config", None)
-    if heads is None:
-        heads = width_in // head_dim if width_in % head_dim == 0 else getattr(config, "num_attention_heads", None)
-    narrow = {shapes[n][1] for n in ins if shapes[n][1] < width_in}
-    if kv is None and len(narrow) == 1 and (width := narrow.pop()) % head_dim == 0:
-        kv = width // head_dim
-    if kv is None:
-        kv = getattr(config, "num_key_value_heads", None) or heads
-    return heads, kv
-
-
 def _inside(name: str, prefixes: list[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
@@ -236,7 +202,7 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
         heads, kv_heads = head_counts(parent, shapes, ins, width_in)
         kv_whole = kv_heads is not None and kv_heads % tp != 0
         key_value = (
-            _replicable_key_value(parent, shapes, ins, width_in, heads, kv_heads) if kv_whole and not fused else []
+            replicable_key_value(parent, shapes, ins, width_in, heads, kv_heads) if kv_whole and not fused else []
         )
         why = None
         if any(shapes[n][0] != width for n in ins):
@@ -335,57 +301,6 @@ def auto_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> Te
     if sequence_parallel:
         plan_sequence_parallel(module, plan)
     return plan
-
-
-def _replicable_key_value(
-    parent: nn.Module,
-    shapes: dict[str, tuple[int, int]],
-    ins: list[str],
-    width_in: int,
-    heads: int | None,
-    kv_heads: int,
-) -> list[str]:
-    """The key and value projections of an attention whose key/value heads tp does not divide, when they can be
-    replicated: separate layers (each ``kv_heads x head_dim`` wide) of an attention that repeats them by its
-    ``num_key_value_groups`` (transformers' convention, which the repeat changes). Else none (the pair stays whole)."""
-    if (
-        heads is None
-        or heads % kv_heads
-        or width_in % heads
-        or not isinstance(getattr(parent, "num_key_value_groups", None), int)
-    ):
-        return []
-    narrow = [n for n in ins if shapes[n][1] < width_in]
-    return narrow if narrow and all(shapes[n][1] == kv_heads * (width_in // heads) for n in narrow) else []
-
-
-def repeat_key_value_heads(module: nn.Module, plan: TensorPlan) -> None:
-    """Before the split, for each attention in ``plan.expanded_kv``: its key and value projections' outputs repeated
-    from ``kv`` heads to ``repeated`` (a forward hook on each: exact, every repeated head a copy), and its
-    ``num_key_value_groups`` set to ``heads / repeated``: the attention computes what it computed, with a head count
-    tp divides. Not a tensor-parallel hook: a pipeline traces it into its stages (each stage's projection runs it)."""
-    named = dict(module.named_modules())
-    for name, (kv, repeated, head_dim) in plan.expanded_kv.items():
-        attention = named[name]
-        prefix = f"{name}." if name else ""
-        heads = attention.num_key_value_groups * kv
-        for layer, style in plan.styles.items():
-            if style == KV_REPLICATED and layer.startswith(prefix) and "." not in layer[len(prefix) :]:
-                named[layer].register_forward_hook(_repeat_heads(kv, repeated // kv, head_dim))
-        attention.num_key_value_groups = heads // repeated
-
-
-def _repeat_heads(kv: int, times: int, head_dim: int) -> Any:
-    def hook(mod: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
-        *lead, _ = out.shape
-        return out.view(*lead, kv, 1, head_dim).expand(*lead, kv, times, head_dim).reshape(*lead, kv * times * head_dim)
-
-    return hook
-
-
-def working_sizes(counts: list[int], limit: int) -> list[int]:
-    """The sizes up to ``limit`` that divide every one of ``counts``."""
-    return [d for d in range(1, limit + 1) if all(c % d == 0 for c in counts)]
 
 
 def check_heads(plan: TensorPlan, world: int) -> None:

@@ -418,7 +418,7 @@ def test_repeated_key_value_heads_compute_what_the_model_computed(kv: int) -> No
     pytest.importorskip("transformers")
     import torch
 
-    from lightning_sgdtp.parallel.tensor.plan import repeat_key_value_heads
+    from lightning_sgdtp.parallel.tensor.heads import repeat_key_value_heads
 
     torch.manual_seed(0)
     heads, width = (12, 96) if kv == 3 else (4, 32)
@@ -426,7 +426,8 @@ def test_repeated_key_value_heads_compute_what_the_model_computed(kv: int) -> No
     tokens = torch.randint(0, 96, (2, 10))
     before = model(tokens).logits
     grads = torch.autograd.grad(before.square().sum(), list(model.parameters()))
-    repeat_key_value_heads(model, auto_plan(model, 4))
+    plan = auto_plan(model, 4)
+    repeat_key_value_heads(model, plan.expanded_kv, plan.styles)
     assert model.model.layers[0].self_attn.num_key_value_groups == (1 if kv == 3 else heads // 4)
     after = model(tokens).logits
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)

@@ -261,3 +261,19 @@ def test_sgdtp_plan_names_bad_input(capsys: pytest.CaptureFixture[str], tmp_path
     assert "--gpus-per-node 8 but the topology file has 4 GPUs" in capsys.readouterr().err
     assert main(["plan", good, "--fix", "tp"]) == 2
     assert "--fix 'tp': give NAME=VALUE" in capsys.readouterr().err
+
+
+def test_a_tensor_parallel_size_that_divides_no_query_heads_is_never_chosen() -> None:
+    """Qwen2.5-1.5B's 12 query heads on a node of 8: tp 8 is listed with the reason (the strategy refuses it at
+    setup); tp 4 and 2 stay candidates, so is the fewer key/value heads (2) than tp 4."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(
+        vocab_size=256, hidden_size=96, intermediate_size=192, num_hidden_layers=4, num_attention_heads=12,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        module = transformers.Qwen2ForCausalLM(config)
+    result = plan(module, profile(module, tokens=8, batch=8), HARDWARE["h100"], 8, 8, None)
+    tp8 = [c for c in result.candidates if c.layout.tp == 8]
+    assert tp8 and all(c.skipped == "tp=8 does not divide the query heads (12)" and not c.choosable for c in tp8)
+    assert any(c.choosable for c in result.candidates if c.layout.tp == 4)
