@@ -120,10 +120,12 @@ class PipelinedStep(StepEngine):
 
     def _materialize_stages(self, split: PipelineSplit) -> None:
         """A model built on the meta device: this rank allocates (and loads or initializes) its stages' parameters
-        only, by the split's rule (``stage_parameters``: a tied embedding and head on both stages), and those outside
-        the block stack (embeddings, norms, head: the trace decides their stage; MBart runs its embedding LayerNorm,
+        only, by the split's rule (``stage_parameters``: a tied embedding and head on both stages; what is
+        registered before the block stack on stage 0, after it on the last), and the vectors outside the block stack
+        on every rank (norms, biases: the trace decides their stage, and MBart runs its embedding LayerNorm,
         registered after the layers, on stage 0), released after the first trace where no traced stage of this rank
-        uses them; the others' blocks are released from the start."""
+        uses them; the others' blocks and matrices (embeddings, head) are never allocated here. A matrix the trace
+        finds on another stage than the rule's is refused then, named (``runner.check_stages_held``)."""
         from lightning_sgdtp.engine.materialize import has_meta
 
         assert self.runner is not None
@@ -137,7 +139,8 @@ class PipelinedStep(StepEngine):
             )
         stages = stage_parameters(self.module, split)
         mine = {i for s in self.runner.stage_ids for i in stages[s]}
-        mine |= {id(p) for name, p in self.module.named_parameters(remove_duplicate=False) if not split.in_blocks(name)}
+        outside = self.module.named_parameters(remove_duplicate=False)
+        mine |= {id(p) for name, p in outside if not split.in_blocks(name) and p.dim() <= 1}
         state = self.module.state_dict(keep_vars=True)
         params = {id(p) for p in self.module.parameters()}
         self.materialize_part(lambda key: key not in state or id(state[key]) not in params or id(state[key]) in mine)

@@ -49,7 +49,7 @@ from lightning_sgdtp.parallel.pipeline.contract import (
 from lightning_sgdtp.parallel.pipeline.memory import ReleasedStages
 from lightning_sgdtp.parallel.pipeline.names import rename_self_nodes
 from lightning_sgdtp.parallel.pipeline.schedules import SCHEDULES, check_chunks, micro_batch_count, micro_batch_weights
-from lightning_sgdtp.parallel.pipeline.split import PipelineSplit
+from lightning_sgdtp.parallel.pipeline.split import RULE, PipelineSplit
 from lightning_sgdtp.parallel.pipeline.unused import unused_parameters
 from lightning_sgdtp.parallel.sharding import stored_parameter
 from lightning_sgdtp.parallel.tensor.plan import local_shard
@@ -287,6 +287,7 @@ class PipelineRunner:
             unused = [stored_parameter(self.module, n) for n, s in self.unused.items() if s in self.stage_ids]
             held = [*(p for s in stages for p in s.submod.parameters()), *unused]
             self.local_parameters = list({id(p): p for p in held}.values())
+            self._check_stages_held(stages)
         schedule = self._schedule(stages, chunks)
         built = _Built(stages, schedule, chunks)
         self._built[key] = built
@@ -294,6 +295,22 @@ class PipelineRunner:
             f"{'train' if key[2] else 'eval'} micro-batch {key[0]} x {chunks} ({type(schedule).__name__})"
         )
         return built
+
+    def _check_stages_held(self, stages: list[Any]) -> None:
+        """Every parameter this rank's traced stages use has storage here. A model built on the meta device gives a
+        rank the matrices outside the block stack by the split's rule (registered before the stack: stage 0; after:
+        the last): one the trace runs elsewhere was never allocated on this rank, and is refused by name."""
+        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
+        missing = sorted(
+            {names.get(id(p), n) for s in stages for n, p in s.submod.named_parameters() if local_shard(p).is_meta}
+        )
+        if missing:
+            raise PipelineContractError(
+                f"{', '.join(missing[:6])} run on stage(s) {self.stage_ids} of this rank, but the split's rule placed"
+                f" them on another stage ({RULE}), and a model built on the meta device allocates a matrix outside"
+                " the block stack only on that stage. Register the module in the order forward runs it (before the"
+                " block stack if it runs before it), or build the model with its weights (not on meta)."
+            )
 
     def _measure(self, args: tuple, kwargs: dict, chunks: int) -> None:
         """``pipeline_balance="measured"``: time the blocks on this micro-batch, agree (the slowest rank's times),
