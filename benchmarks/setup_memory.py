@@ -1,7 +1,7 @@
 """Setup memory (issues 44, 55): what setting up a big model adds to each rank's resident memory, built whole vs on
 meta, and then two training steps of every cell (a layout that sets up and fails at its first step proves nothing).
 
-    python benchmarks/setup_memory.py                # the issue's run: a 1.89 GB fp32 Qwen2, 6 cells (2 cores)
+    python benchmarks/setup_memory.py                # the issue's run: a 1.69 GB fp32 Qwen2, 6 cells (2 cores)
     python benchmarks/setup_memory.py --cells today,sharded,tensor,pipeline,pp2xtp2,dp2xtp2-full,sharded-init,today-dp
     python benchmarks/setup_memory.py --hidden 256 --heads 4 --intermediate 512 --layers 4 --cells today,tensor \
         --out /tmp/s.json   # smoke (~2 min)
@@ -9,7 +9,8 @@ meta, and then two training steps of every cell (a layout that sets up and fails
 
 The launching process builds a ``transformers`` ``Qwen2ForCausalLM`` from a ``Qwen2Config`` of Qwen2.5-1.5B's width
 (hidden 1536, 12 query heads, 2 key/value heads: fewer than the 4 tensor-parallel ranks, MLP 8960; 8 layers,
-vocabulary 32000, untied head; ``--hidden``/``--heads``/``--kv-heads``/``--intermediate``/``--layers``), writes it
+vocabulary 32000, head tied to the embedding as Qwen2.5-1.5B's; ``--hidden``/``--heads``/``--kv-heads``/
+``--intermediate``/``--layers``/``--untied``), writes it
 with ``save_pretrained`` and frees it. Each cell is then one job
 of 4 ranks (Lightning's launcher, gloo on 127.0.0.1, one thread each, ``Trainer(accelerator="cpu", devices=4)``),
 one cell after another, each in its own session with a hard timeout (``harness.run_reaped``). On every rank:
@@ -269,7 +270,7 @@ def _worker(cell: str, folder: Path, out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ driver
-def qwen2_config(hidden: int, heads: int, kv_heads: int, intermediate: int, layers: int) -> Any:
+def qwen2_config(hidden: int, heads: int, kv_heads: int, intermediate: int, layers: int, tied: bool = True) -> Any:
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -280,7 +281,7 @@ def qwen2_config(hidden: int, heads: int, kv_heads: int, intermediate: int, laye
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
 
 
@@ -434,7 +435,7 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown cell(s) {unknown}; known: {', '.join(CELLS)}", file=sys.stderr)
         return 2
-    config = qwen2_config(args.hidden, args.heads, args.kv_heads, args.intermediate, args.layers)
+    config = qwen2_config(args.hidden, args.heads, args.kv_heads, args.intermediate, args.layers, not args.untied)
     facts_machine = machine()
     with tempfile.TemporaryDirectory(prefix="setup_memory_") as tmp_name:
         tmp = Path(tmp_name)
@@ -444,8 +445,8 @@ def main(args: argparse.Namespace) -> int:
         print(
             f"model: Qwen2ForCausalLM hidden {config.hidden_size}, intermediate {config.intermediate_size},"
             f" {config.num_hidden_layers} layers, {config.num_attention_heads} heads ({config.num_key_value_heads}"
-            f" key/value), vocabulary {config.vocab_size},"
-            f" untied head: {model['parameters'] / 1e6:.1f} M parameters, {mb / 1e9:.3f} GB fp32 ({mb / 2**30:.3f} GiB);"
+            f" key/value), vocabulary {config.vocab_size}, {'tied' if config.tie_word_embeddings else 'untied'} head:"
+            f" {model['parameters'] / 1e6:.1f} M parameters, {mb / 1e9:.3f} GB fp32 ({mb / 2**30:.3f} GiB);"
             f" embedding + head {model['embedding_and_head_bytes'] / mb:.1%} of it; files {model['files']}",
             flush=True,
         )
@@ -568,6 +569,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (2: fewer than the 4 tp ranks)")
     p.add_argument("--intermediate", type=int, default=8960, help="MLP width")
     p.add_argument("--layers", type=int, default=8, help="decoder layers (a multiple of 4: pipeline stages)")
+    p.add_argument(
+        "--untied", action="store_true", help="an LM head of its own (Qwen2.5-1.5B ties it to the embedding)"
+    )
     p.add_argument("--cells", default=",".join(DEFAULT_CELLS), help=f"comma-separated, of: {', '.join(CELLS)}")
     p.add_argument("--checkpoint", type=Path, default=None, help="where the checkpoint is written (kept, reused)")
     p.add_argument("--timeout", type=float, default=900, help="hard limit per cell, seconds")

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from helpers.launch import JOBS, job_env, parity_result, rel_update_diff, run_python, tiered
+from helpers.hf import check_export
+from helpers.launch import JOBS, assert_parity, job_env, parity_result, run_python, tiered
 
 REL_TOL, GRAD_TOL = 1e-3, 1e-4
 PP = {"pipeline_stages": 2, "pipeline_chunks": 4}
@@ -53,20 +53,11 @@ SLOW = set(CELLS) - {"llama_pipeline"}
 _RESULTS: dict[str, dict] = {}
 
 
-def grad_error(r: dict) -> float:
-    ref, got = r["ref_grads"], r["grads"]
-    assert got.keys() == ref.keys(), sorted(set(ref) ^ set(got))
-    num = sum(float((got[k].float() - ref[k].float()).norm() ** 2) for k in ref) ** 0.5
-    return num / sum(float(ref[k].float().norm() ** 2) for k in ref) ** 0.5
-
-
 @pytest.mark.parametrize("name", tiered(list(CELLS), SLOW))
 def test_pretrained_by_shard_trains_like_one_process(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     cell = CELLS[name]
     r = parity_result(_RESULTS, "zoo.py", name, cell, tmp_path_factory.mktemp(name))
-    assert grad_error(r) < GRAD_TOL, f"{name}: first-step gradients differ by {grad_error(r):.3g}"
-    rel = rel_update_diff(r["init"], r["ref"], r["sgdtp"])
-    assert rel < REL_TOL, f"{name}: relative update difference {rel:.3g}"
+    assert_parity(name, r, GRAD_TOL, REL_TOL)
     # the weights came from the folder, by shard, into a model that was on meta
     assert "materialized on meta: this rank allocated its part" in r["log"] and "read by shard" in r["log"], r["log"]
     check = json.loads((r["out"] / "init_check.json").read_text())
@@ -74,22 +65,7 @@ def test_pretrained_by_shard_trains_like_one_process(name: str, tmp_path_factory
     held, whole = r["info"]["held"], r["info"]["whole_parameter_bytes"]
     if cell["dp"] == 1 or "sharding" in cell["sgdtp"]:  # divided: about half (a quarter with 3-D) per rank
         assert all(h["parameters"] <= 0.6 * whole for h in held), (held, whole)
-    _check_export(r["out"], r["sgdtp"])
-
-
-def _check_export(out: Path, trained: dict[str, torch.Tensor]) -> None:
-    """The exported folder loads with ``from_pretrained``: the trained tensors, and the trained model's logits."""
-    import transformers
-
-    exported = transformers.AutoModelForCausalLM.from_pretrained(out / "exported").eval()
-    state = exported.state_dict()
-    for key, value in state.items():
-        assert torch.equal(value, trained[f"model.{key}"]), key
-    mine = transformers.AutoModelForCausalLM.from_config(exported.config).eval()
-    mine.load_state_dict({k.removeprefix("model."): v for k, v in trained.items()}, strict=False)
-    tokens = torch.randint(0, exported.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(exported(tokens).logits, mine(tokens).logits)
+    check_export(r["out"], r["sgdtp"])
 
 
 def test_a_meta_model_from_scratch_is_initialized_alike_on_every_rank(tmp_path: Path) -> None:

@@ -24,7 +24,8 @@ import sys
 from typing import Any
 
 import pytest
-from helpers.launch import parity_result, rel_update_diff, tiered
+from helpers.hf import check_export
+from helpers.launch import assert_parity, parity_result, tiered
 
 REL_TOL, GRAD_TOL = 1e-3, 1e-4
 HELD = 0.35  # each of 4 ranks: a quarter of the blocks, plus what stays whole (embeddings, norms, k/v projections)
@@ -53,20 +54,11 @@ for family, chosen in MODELS.items():
 _RESULTS: dict[str, dict] = {}
 
 
-def grad_error(r: dict) -> float:
-    ref, got = r["ref_grads"], r["grads"]
-    assert got.keys() == ref.keys(), sorted(set(ref) ^ set(got))  # every parameter got its gradient somewhere
-    num = sum(float((got[k].float() - ref[k].float()).norm() ** 2) for k in ref) ** 0.5
-    return num / sum(float(ref[k].float().norm() ** 2) for k in ref) ** 0.5
-
-
 @pytest.mark.parametrize("name", tiered(list(CELLS), set(CELLS)))
 def test_large_layout_trains_like_one_process(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     cell = CELLS[name]
     r = parity_result(_RESULTS, "zoo.py", name, cell, tmp_path_factory.mktemp(name))
-    assert grad_error(r) < GRAD_TOL, f"{name}: first-step gradients differ by {grad_error(r):.3g}"
-    rel = rel_update_diff(r["init"], r["ref"], r["sgdtp"])
-    assert rel < REL_TOL, f"{name}: relative update difference {rel:.3g}"
+    grads, rel = assert_parity(name, r, GRAD_TOL, REL_TOL)
     held, whole = r["info"]["held"], r["info"]["whole_parameter_bytes"]
     assert all(h["parameters"] <= HELD * whole for h in held), (held, whole)
     log = r["log"]
@@ -75,15 +67,13 @@ def test_large_layout_trains_like_one_process(name: str, tmp_path_factory: pytes
     if cell["sgdtp"].get("pipeline_schedule") == "interleaved_1f1b":
         assert "8 stages" in log, log[-3000:]
     if cell.get("pretrained"):
-        from test_big_models import _check_export
-
         assert "materialized on meta: this rank allocated its part" in log and "read by shard" in log, log[-3000:]
         check = json.loads((r["out"] / "init_check.json").read_text())
         assert check["nonfinite"] == [] and check["meta_left"] == [] and check["differ"] == [], check
-        _check_export(r["out"], r["sgdtp"])
+        check_export(r["out"], r["sgdtp"])
     else:  # built whole on every rank, then split: rank 0 says what that cost and the fix
         assert "built whole on every rank" in log and "init_module(empty_init=True)" in log, log[-3000:]
-    print(f"{name}: gradients {grad_error(r):.2e}, update {rel:.2e}, held {[h['parameters'] / whole for h in held]}")
+    print(f"{name}: gradients {grads:.2e}, update {rel:.2e}, held {[h['parameters'] / whole for h in held]}")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.launch import JOBS, finish, job_env, negative_control, parity_result, rel_update_diff, start, tiered
+from helpers.launch import (
+    JOBS,
+    finish,
+    grad_error,
+    job_env,
+    negative_control,
+    parity_result,
+    rel_update_diff,
+    start,
+    tiered,
+)
 
 REL_TOL, GRAD_TOL = 1e-3, 1e-4
 PP = {"pipeline_stages": 2, "pipeline_chunks": 4}
@@ -168,13 +178,6 @@ _RESULTS: dict[str, dict] = {}
 
 def result(name: str, tmp_path_factory: pytest.TempPathFactory, scenario: dict[str, Any], **env: str) -> dict:
     return parity_result(_RESULTS, "zoo.py", name, scenario, tmp_path_factory.mktemp(name), **env)
-
-
-def grad_error(r: dict) -> float:
-    ref, got = r["ref_grads"], r["grads"]
-    assert got.keys() == ref.keys(), sorted(set(ref) ^ set(got))  # every parameter got its gradient somewhere
-    num = sum(float((got[k].float() - ref[k].float()).norm() ** 2) for k in ref) ** 0.5
-    return num / sum(float(ref[k].float().norm() ** 2) for k in ref) ** 0.5
 
 
 @pytest.mark.covers("data + sharding full", "gradient accumulation", param="phi_sharded_accumulate")

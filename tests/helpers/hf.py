@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -36,3 +38,18 @@ class Wrapper(nn.Module):
             self.model.to(dtype)
         if head:
             self.value = nn.Linear(config.hidden_size, 1)
+
+
+def check_export(out: Path, trained: dict[str, torch.Tensor]) -> None:
+    """The exported folder loads with ``from_pretrained``: the trained tensors, and the trained model's logits."""
+    import transformers
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out / "exported").eval()
+    state = exported.state_dict()
+    for key, value in state.items():
+        assert torch.equal(value, trained[f"model.{key}"]), key
+    mine = transformers.AutoModelForCausalLM.from_config(exported.config).eval()
+    mine.load_state_dict({k.removeprefix("model."): v for k, v in trained.items()}, strict=False)
+    tokens = torch.randint(0, exported.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, mine(tokens).logits)

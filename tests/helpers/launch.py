@@ -193,6 +193,25 @@ def rel_update_diff(init: dict[str, torch.Tensor], a: dict[str, torch.Tensor], b
     return num / den
 
 
+def grad_error(r: dict) -> float:
+    """A parity result's first-step gradients against the reference's: ||got - ref|| / ||ref|| over every parameter
+    (each must have its gradient somewhere: a pipeline's stages, a tensor-parallel rank's shards, merged)."""
+    ref, got = r["ref_grads"], r["grads"]
+    assert got.keys() == ref.keys(), sorted(set(ref) ^ set(got))
+    num = sum(float((got[k].float() - ref[k].float()).norm() ** 2) for k in ref) ** 0.5
+    return num / sum(float(ref[k].float().norm() ** 2) for k in ref) ** 0.5
+
+
+def assert_parity(name: str, r: dict, grad_tol: float = 1e-4, rel_tol: float = 1e-3) -> tuple[float, float]:
+    """The project's parity check of a result against its reference: first-step gradients (:func:`grad_error`) and
+    the update of the steps run (:func:`rel_update_diff`) within their tolerances. Returns both."""
+    grads = grad_error(r)
+    assert grads < grad_tol, f"{name}: first-step gradients differ by {grads:.3g}"
+    rel = rel_update_diff(r["init"], r["ref"], r["sgdtp"])
+    assert rel < rel_tol, f"{name}: relative update difference {rel:.3g}"
+    return grads, rel
+
+
 PARITY_TENSORS = ("init", "ref", "sgdtp", "ref_grads", "grads")
 
 

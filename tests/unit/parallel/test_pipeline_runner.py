@@ -95,3 +95,27 @@ def test_pipeline_dims_place_stages_across_nodes_and_replicas_inside() -> None:
     assert ParallelLayout.resolve(chunks_alone, 4, 4, num_nodes=1).pp == 4  # one node: all ranks
     with pytest.raises(SGDTPConfigError, match="pipeline_stages=3 must divide the 4 ranks"):
         ParallelLayout.resolve(SGDTPConfig(pipeline_stages=3, pipeline_chunks=4), 4, 4, num_nodes=1)
+
+
+def test_a_stage_that_uses_a_matrix_this_rank_never_allocated_is_refused_by_name() -> None:
+    """On the meta device a rank allocates a matrix outside the block stack on the stage the split's rule gives it
+    (registered after the stack: the last). A model that runs such a matrix earlier (an embedding registered after its
+    layers) would reach stage 0 on meta: refused after the trace, naming it, not a device error at the first step."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from lightning_sgdtp.parallel.pipeline.contract import PipelineContractError
+    from lightning_sgdtp.parallel.pipeline.runner import PipelineRunner
+
+    whole = nn.Module()
+    whole.layers = nn.ModuleList([nn.Linear(4, 4)])
+    with torch.device("meta"):
+        whole.late_embedding = nn.Embedding(8, 4)
+    stage = SimpleNamespace(submod=nn.ModuleDict({"late_embedding": whole.late_embedding, "block": whole.layers[0]}))
+    runner = SimpleNamespace(module=whole, stage_ids=[0])
+    with pytest.raises(PipelineContractError, match=r"late_embedding.weight run on stage\(s\) \[0\] of this rank"):
+        PipelineRunner._check_stages_held(runner, [stage])  # type: ignore[arg-type]
+    whole.late_embedding = nn.Embedding(8, 4)  # allocated: nothing to refuse
+    stage.submod["late_embedding"] = whole.late_embedding
+    PipelineRunner._check_stages_held(runner, [stage])  # type: ignore[arg-type]
