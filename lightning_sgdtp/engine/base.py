@@ -117,6 +117,8 @@ class StepEngine(ABC):
         self.compile_stats: dict[str, Any] | None = None
         #: What materializing a meta model (and reading ``pretrained``) did on this rank; None: not done.
         self.materialized: Any | None = None
+        #: The line that a model came whole to a layout that divides it was said (once).
+        self._said_whole = False
 
     # ------------------------------------------------------------------------------------------ setup
     @abstractmethod
@@ -145,7 +147,7 @@ class StepEngine(ABC):
     def _say_built_whole(self) -> None:
         """Once: the model came whole to a layout that divides it (every rank built all of it before the split)."""
         divides = self.dims.tp_enabled or self.dims.pp_enabled or self.config.sharding == "full"
-        if not divides or getattr(self, "_said_whole", False):
+        if not divides or self._said_whole:
             return
         self._said_whole = True
         whole = sum(p.numel() * p.element_size() for p in {id(p): p for p in self.module.parameters()}.values())

@@ -125,7 +125,7 @@ class PipelinedStep(StepEngine):
         on every rank (norms, biases: the trace decides their stage, and MBart runs its embedding LayerNorm,
         registered after the layers, on stage 0), released after the first trace where no traced stage of this rank
         uses them; the others' blocks and matrices (embeddings, head) are never allocated here. A matrix the trace
-        finds on another stage than the rule's is refused then, named (``runner.check_stages_held``)."""
+        finds on another stage than the rule's is refused then, named (``PipelineRunner._check_stages_held``)."""
         from lightning_sgdtp.engine.materialize import has_meta
 
         assert self.runner is not None

@@ -125,8 +125,8 @@ class _Stage:
 
 def carry_stage_inputs(split_gm: fx.GraphModule) -> list[str]:
     """Rewrite torch's split graph so that stage 0 reads every model input a stage reads and each later stage only
-    what the stage before it sends, with every schedule. Returns what was carried (``"submod_0 output getitem_1 -> stage 3 (through 1, 2)"``), for
-    the plan."""
+    what the stage before it sends, with every schedule. Returns what was carried (``"submod_0 output getitem_1 ->
+    stage 3 (through 1, 2)"``), for the plan."""
     calls = _stage_calls(split_gm)
     index = {call: i for i, call in enumerate(calls)}
     inputs = {n: i for i, n in enumerate(n for n in split_gm.graph.nodes if n.op == "placeholder")}

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-#: The key and value projections of an attention whose key/value heads tp does not divide (grouped-query attention with
-#: fewer key/value heads than tp, multi-query): replicated on the mesh, their output a replicated DTensor, while the
-#: query heads and the output projection are split (styles.ReplicatedKeyValue). Set by the automatic plan only.
+#: The style of the key and value projections of an attention whose key/value heads tp does not divide (grouped-query
+#: attention with fewer key/value heads than tp, multi-query): weights replicated on the mesh, output repeated and
+#: split by head, while the query heads and the output projection are split as usual (styles.ReplicatedKeyValue).
+#: Set by the automatic plan only.
 KV_REPLICATED = "kv_replicated"
 #: Attributes that give an attention's head width (transformers 5 keeps no head counts on the module: the counts are
 #: its projections' widths over it).

@@ -43,6 +43,7 @@ STYLES = ("colwise", "rowwise", "colwise_gather", "experts", "replicate", "seque
 #: Set by the automatic plan only.
 HEAD_NORM = "head_norm"
 NORMS = (nn.LayerNorm, nn.RMSNorm)
+
 # Leaf names of linear layers that read the block's input (column-parallel) and write its output (row-parallel).
 IN_NAMES = {
     "q", "k", "v", "q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv", "qkv", "qkv_proj",
