@@ -297,6 +297,12 @@ ZOO: dict[str, ZooEntry] = {
     "qwen2_mq": ZooEntry(
         _hf("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=1), "tokens", "transformers Qwen2ForCausalLM (MQA)"
     ),
+    # 6 query heads (2 key/value): 4 ranks' island does not divide them; parallelism="hybrid" sizes tp 2 by itself
+    "qwen2_6h": ZooEntry(
+        _hf("Qwen2Config", "Qwen2ForCausalLM", hidden_size=48, num_attention_heads=6, num_key_value_heads=2),
+        "tokens",
+        "transformers Qwen2ForCausalLM (6 heads)",
+    ),
     "mistral": ZooEntry(
         _hf("MistralConfig", "MistralForCausalLM", num_key_value_heads=2, sliding_window=8),
         "tokens",

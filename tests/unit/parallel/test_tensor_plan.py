@@ -447,3 +447,18 @@ def test_a_tensor_parallel_size_that_divides_no_query_heads_is_refused_with_the_
         check_heads(plan, 8)
     except TensorPlanError as err:
         assert "[1, 2]" in str(err), err  # 3 and 6 divide the heads, not the 8 ranks
+
+
+def test_hybrid_sizes_tp_by_the_query_heads_when_the_model_is_known() -> None:
+    """parallelism="hybrid" without tensor_parallel_size: the island's size (8), lowered to the largest divisor of it
+    that the model splits over (12 heads: 4); an explicit size is left to the plan's refusal."""
+    config = SGDTPConfig(parallelism="hybrid")
+    heads_12 = lambda tp: 12 % tp == 0
+    from lightning_sgdtp.mesh.dims import ParallelDims
+
+    assert ParallelDims.resolve(config, 16, 8).tp == 8
+    assert ParallelDims.resolve(config, 16, 8, fits=heads_12).tp == 4
+    assert ParallelDims.resolve(SGDTPConfig(parallelism="hybrid", tensor_parallel_size=8), 16, 8, fits=heads_12).tp == 8
+    assert (
+        config.sizes_tp_from_model and not SGDTPConfig(parallelism="hybrid", tensor_parallel_size=2).sizes_tp_from_model
+    )
