@@ -1,16 +1,16 @@
 """Setup memory (issues 44, 55): what setting up a big model adds to each rank's resident memory, built whole vs on
 meta, and then two training steps of every cell (a layout that sets up and fails at its first step proves nothing).
 
-    python benchmarks/setup_memory.py                # the issue's run: a 1.69 GB fp32 Qwen2, 6 cells (2 cores)
+    python benchmarks/setup_memory.py                # the issue's run: a 2.64 GB fp32 Qwen2, 6 cells (2 cores)
     python benchmarks/setup_memory.py --cells today,sharded,tensor,pipeline,pp2xtp2,dp2xtp2-full,sharded-init,today-dp
     python benchmarks/setup_memory.py --hidden 256 --heads 4 --intermediate 512 --layers 4 --cells today,tensor \
         --out /tmp/s.json   # smoke (~2 min)
     python benchmarks/setup_memory.py --checkpoint /tmp/qwen2-1.9g   # keep (and reuse) the written checkpoint
 
 The launching process builds a ``transformers`` ``Qwen2ForCausalLM`` from a ``Qwen2Config`` of Qwen2.5-1.5B's width
-(hidden 1536, 12 query heads, 2 key/value heads: fewer than the 4 tensor-parallel ranks, MLP 8960; 8 layers,
-vocabulary 32000, head tied to the embedding as Qwen2.5-1.5B's; ``--hidden``/``--heads``/``--kv-heads``/
-``--intermediate``/``--layers``/``--untied``), writes it
+(hidden 1536, 12 query heads, 2 key/value heads: fewer than the 4 tensor-parallel ranks, MLP 8960; 12 layers,
+vocabulary 32000, an untied head; ``--hidden``/``--heads``/``--kv-heads``/``--intermediate``/``--layers``/
+``--tied``), writes it
 with ``save_pretrained`` and frees it. Each cell is then one job
 of 4 ranks (Lightning's launcher, gloo on 127.0.0.1, one thread each, ``Trainer(accelerator="cpu", devices=4)``),
 one cell after another, each in its own session with a hard timeout (``harness.run_reaped``). On every rank:
@@ -270,7 +270,7 @@ def _worker(cell: str, folder: Path, out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ driver
-def qwen2_config(hidden: int, heads: int, kv_heads: int, intermediate: int, layers: int, tied: bool = True) -> Any:
+def qwen2_config(hidden: int, heads: int, kv_heads: int, intermediate: int, layers: int, tied: bool = False) -> Any:
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -435,7 +435,7 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown cell(s) {unknown}; known: {', '.join(CELLS)}", file=sys.stderr)
         return 2
-    config = qwen2_config(args.hidden, args.heads, args.kv_heads, args.intermediate, args.layers, not args.untied)
+    config = qwen2_config(args.hidden, args.heads, args.kv_heads, args.intermediate, args.layers, args.tied)
     facts_machine = machine()
     with tempfile.TemporaryDirectory(prefix="setup_memory_") as tmp_name:
         tmp = Path(tmp_name)
