@@ -568,9 +568,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=12, help="query heads (tp 4 must divide them)")
     p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (2: fewer than the 4 tp ranks)")
     p.add_argument("--intermediate", type=int, default=8960, help="MLP width")
-    p.add_argument("--layers", type=int, default=8, help="decoder layers (a multiple of 4: pipeline stages)")
+    p.add_argument("--layers", type=int, default=12, help="decoder layers (a multiple of 4: pipeline stages)")
     p.add_argument(
-        "--untied", action="store_true", help="an LM head of its own (Qwen2.5-1.5B ties it to the embedding)"
+        "--tied",
+        action="store_true",
+        help="the head tied to the embedding, as Qwen2.5-1.5B's (the split's balance counts the tied copy once)",
     )
     p.add_argument("--cells", default=",".join(DEFAULT_CELLS), help=f"comma-separated, of: {', '.join(CELLS)}")
     p.add_argument("--checkpoint", type=Path, default=None, help="where the checkpoint is written (kept, reused)")
