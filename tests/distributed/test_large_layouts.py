@@ -16,7 +16,7 @@
 Each cell also runs from ``pretrained`` on the meta device (each rank allocates its part and reads it by shard; the
 replicated key/value projections are read whole), and its export loads. Same tolerances as the zoo: first-step
 gradients < 1e-4 relative, 4 AdamW steps' update < 1e-3; and what the layout is for: every rank holds <= 0.35 of the
-parameter bytes. All slow tier (4 ranks, 60-90 s each on 2 cores; tests/README.md): the default tier is full.
+parameter bytes. All slow tier (4 ranks, 35-140 s each on 2 cores; tests/README.md): the default tier is full.
 """
 
 from __future__ import annotations
